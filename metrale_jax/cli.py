@@ -1,0 +1,59 @@
+"""The `metrale` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from metrale_jax import LLM, SamplingParams
+    from metrale_jax.request import RequestError
+
+    llm = LLM(args.model, max_seq_len=args.max_seq_len)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                stop=args.stop or None)
+        prompt = args.prompt
+        if args.chat:
+            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        sys.stdout.write(prompt if args.echo else "")
+        for delta in llm.stream(prompt, params):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    except RequestError as err:
+        print(f"\nerror: {err}", file=sys.stderr)
+        return 2
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="metrale", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream a completion of one prompt to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=None,
+                     help="a local Hugging Face or metrale checkpoint directory "
+                          "(default: the built-in model)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--max-seq-len", type=int, default=2048)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--echo", action="store_true", help="print the prompt first")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,174 @@
+"""Configuration: one frozen, hashable dataclass per concern.
+
+`ModelConfig` describes the network (it is a static argument of every jitted step, so it
+must hash); `EngineConfig` describes how the engine lays out memory and batches work.
+Validation happens in `__post_init__` and every message names the offending field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# A layer pattern is a string with one character per residual block:
+#   A = attention mixer, M = Mamba2 mixer, F = feed-forward (MLP).
+# A Llama layer is "AF"; NemotronH writes its own hybrid pattern directly.
+BLOCK_KINDS = {"A": "attention", "M": "mamba", "F": "mlp"}
+MLP_KINDS = ("gated_silu", "relu2")
+ROPE_SCALINGS = ("none", "linear", "llama3")
+KERNEL_BACKENDS = ("auto", "pallas", "xla")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def _require(ok: bool, field_name: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}: {why}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    layer_pattern: str  # one char per block, see BLOCK_KINDS
+    # Attention.
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    head_dim: int = 64
+    use_rope: bool = True  # NemotronH attention has no positional encoding
+    rope_theta: float = 10000.0
+    rope_scaling: str = "none"
+    # (factor, low_freq_factor, high_freq_factor, original_max_position) for llama3;
+    # (factor,) for linear. A tuple keeps the config hashable.
+    rope_scaling_args: tuple[float, ...] = ()
+    qk_norm: bool = False  # Qwen3 normalises each head's q and k before RoPE
+    # MLP.
+    intermediate_size: int = 1024
+    mlp_kind: str = "gated_silu"
+    # Mamba2.
+    ssm_state_size: int = 16
+    conv_kernel: int = 4
+    mamba_num_heads: int = 8
+    mamba_head_dim: int = 32
+    mamba_groups: int = 1
+    mamba_chunk_size: int = 64
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_norm_groups: int = 1  # gated RMSNorm over this many groups of the inner width
+    # dt is clamped into [time_step_min, time_step_max] after softplus (NemotronH: 1e-3, inf).
+    time_step_min: float = 0.0
+    time_step_max: float = float("inf")
+    # Multi-token prediction (DeepSeek-V3 style); each module is one `mtp_pattern` block.
+    num_mtp_modules: int = 0
+    mtp_pattern: str = "AF"
+    tie_word_embeddings: bool = False
+    norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    dtype: str = "float32"  # activations and weights; SSM state is always float32
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "ssm_state_size", "conv_kernel", "mamba_num_heads",
+                     "mamba_head_dim", "mamba_groups", "mamba_chunk_size", "mamba_norm_groups",
+                     "max_position_embeddings"):
+            _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+        _require(len(self.layer_pattern) > 0, "layer_pattern", "must name at least one block")
+        for pattern_name in ("layer_pattern", "mtp_pattern"):
+            bad = set(getattr(self, pattern_name)) - set(BLOCK_KINDS)
+            _require(not bad, pattern_name,
+                     f"unknown block kinds {sorted(bad)}; use A (attention), M (mamba), F (mlp)")
+        _require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+                 f"{self.num_kv_heads} must divide num_heads={self.num_heads}")
+        _require(self.mamba_num_heads % self.mamba_groups == 0, "mamba_groups",
+                 f"{self.mamba_groups} must divide mamba_num_heads={self.mamba_num_heads}")
+        _require(self.mamba_inner % self.mamba_norm_groups == 0, "mamba_norm_groups",
+                 f"{self.mamba_norm_groups} must divide the inner width {self.mamba_inner}")
+        _require(self.conv_kernel >= 2, "conv_kernel", "must be at least 2")
+        _require(self.mlp_kind in MLP_KINDS, "mlp_kind", f"must be one of {MLP_KINDS}")
+        _require(self.rope_scaling in ROPE_SCALINGS, "rope_scaling",
+                 f"must be one of {ROPE_SCALINGS}, got {self.rope_scaling!r}")
+        _require(self.num_mtp_modules >= 0, "num_mtp_modules", "must be >= 0")
+        _require("M" not in self.mtp_pattern, "mtp_pattern",
+                 "MTP blocks may hold attention and MLP blocks only")
+        _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype",
+                 f"unsupported dtype {self.dtype!r}")
+
+    @property
+    def mamba_inner(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels through the causal conv: x, B and C side by side."""
+        return self.mamba_inner + 2 * self.mamba_groups * self.ssm_state_size
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_pattern) if k == "A")
+
+    @property
+    def mamba_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_pattern) if k == "M")
+
+    @property
+    def num_mtp_attention_layers(self) -> int:
+        return self.num_mtp_modules * self.mtp_pattern.count("A")
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    # The KV pool holds `num_kv_blocks` blocks (block 0 is the null block); when None it is
+    # sized from `kv_memory_bytes`.
+    num_kv_blocks: int | None = None
+    kv_memory_bytes: int = 256 * 1024 * 1024
+    max_seq_len: int = 2048
+    max_batch_size: int = 64
+    max_tokens_per_tick: int = 512  # the ragged batch's token budget
+    # Bucket ladders: the padded shapes a step is compiled for (see runner/buckets.py).
+    # Empty tuples mean "powers of two up to the limit".
+    token_buckets: tuple[int, ...] = ()
+    seq_buckets: tuple[int, ...] = ()
+    query_buckets: tuple[int, ...] = ()
+    block_buckets: tuple[int, ...] = ()  # block-table widths; the last must cover max_seq_len
+    max_logprobs: int = 20  # top-n logprobs computed on the device for every row
+    kernel_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_memory_bytes", "max_seq_len", "max_batch_size",
+                     "max_tokens_per_tick"):
+            _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None:
+            _require(self.num_kv_blocks >= 2, "num_kv_blocks",
+                     "needs the null block plus at least one usable block")
+        _require(self.max_tokens_per_tick >= self.max_batch_size, "max_tokens_per_tick",
+                 "must be at least max_batch_size so every running sequence can decode")
+        _require(self.max_logprobs >= 1, "max_logprobs", "must be >= 1")
+        _require(self.kernel_backend in KERNEL_BACKENDS, "kernel_backend",
+                 f"must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+        for name, limit in (("token_buckets", self.max_tokens_per_tick),
+                            ("seq_buckets", self.max_batch_size),
+                            ("query_buckets", min(self.max_tokens_per_tick, self.max_seq_len))):
+            ladder = getattr(self, name)
+            _require(not ladder or ladder[-1] >= limit, name,
+                     f"the largest bucket must be at least {limit}")
+        if self.block_buckets:
+            _require(self.block_buckets[-1] >= self.max_blocks_per_seq, "block_buckets",
+                     f"the largest must cover max_seq_len ({self.max_blocks_per_seq} blocks)")
+        for name in ("token_buckets", "seq_buckets", "query_buckets", "block_buckets"):
+            ladder = getattr(self, name)
+            _require(list(ladder) == sorted(set(ladder)) and all(b > 0 for b in ladder), name,
+                     "must be strictly increasing positive sizes")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.block_size)
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,48 @@
+"""Attention mixer: GQA with RoPE and optional QK-norm, reading and writing paged K/V."""
+
+from __future__ import annotations
+
+from flax import nnx
+from jaxtyping import Array, Float
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.model.batch import StepBatch
+from metrale_jax.model.layers import RMSNorm, linear
+from metrale_jax.model.rope import apply_rope, inverse_frequencies
+from pallas_kernels.paged_attention import paged_attention, write_kv_pages
+
+KVPages = tuple[Float[Array, "blocks block_size kv_heads head_dim"],
+                Float[Array, "blocks block_size kv_heads head_dim"]]
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = linear(cfg, d, h * hd, rngs)
+        self.k_proj = linear(cfg, d, kvh * hd, rngs)
+        self.v_proj = linear(cfg, d, kvh * hd, rngs)
+        self.o_proj = linear(cfg, h * hd, d, rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps)
+
+    def __call__(self, x: Float[Array, "T D"], batch: StepBatch, kv: KVPages,
+                 ) -> tuple[Float[Array, "T D"], KVPages]:
+        cfg = self.cfg
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.use_rope:
+            inv_freq = inverse_frequencies(cfg)
+            q = apply_rope(q, batch.positions, inv_freq)
+            k = apply_rope(k, batch.positions, inv_freq)
+        k_pages, v_pages = write_kv_pages(kv[0], kv[1], k, v, batch.slot_mapping)
+        out = paged_attention(
+            batch.to_padded(q), k_pages, v_pages, batch.block_tables, batch.context_lens,
+            batch.to_padded(batch.positions), scale=cfg.head_dim ** -0.5)
+        out = batch.to_flat(out).reshape(t, cfg.num_heads * cfg.head_dim)
+        return self.o_proj(out), (k_pages, v_pages)

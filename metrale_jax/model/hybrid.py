@@ -1,0 +1,107 @@
+"""The hybrid language model: a stack of pre-norm residual blocks named by a layer pattern.
+
+Every block is `x + mixer(norm(x))` where the mixer is attention, Mamba2 or an MLP; a Llama
+layer is the two blocks "AF", a Mamba2 model is "M" repeated, NemotronH spells its own
+pattern. MTP modules (DeepSeek-V3) draft further tokens from the final hidden state.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.model.attention import Attention
+from metrale_jax.model.batch import StepBatch
+from metrale_jax.model.caches import DeviceCaches
+from metrale_jax.model.layers import MLP, RMSNorm, dtype_of, linear
+from metrale_jax.model.mamba2 import Mamba2Mixer
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, kind: str, rngs: nnx.Rngs):
+        self.kind = kind
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype_of(cfg))
+        if kind == "A":
+            self.mixer = Attention(cfg, rngs)
+        elif kind == "M":
+            self.mixer = Mamba2Mixer(cfg, rngs)
+        else:
+            self.mixer = MLP(cfg, rngs)
+
+
+def run_blocks(blocks: nnx.List, x: Float[Array, "T D"], batch: StepBatch,
+               kv: list, conv: list, ssm: list, kv_offset: int = 0, ssm_offset: int = 0,
+               ) -> tuple[Float[Array, "T D"], int, int]:
+    """Run blocks in order, threading each stateful block through its cache entry in place
+    (the lists are updated); returns the hidden state and the next free cache indices."""
+    ai, mi = kv_offset, ssm_offset
+    for block in blocks:
+        h = block.norm(x)
+        if block.kind == "A":
+            h, kv[ai] = block.mixer(h, batch, kv[ai])
+            ai += 1
+        elif block.kind == "M":
+            h, (conv[mi], ssm[mi]) = block.mixer(h, batch, (conv[mi], ssm[mi]))
+            mi += 1
+        else:
+            h = block.mixer(h)
+        x = x + h
+    return x, ai, mi
+
+
+class MTPModule(nnx.Module):
+    """One DeepSeek-V3 MTP depth: [enorm(emb(next token)); hnorm(h)] -> proj -> blocks."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        self.enorm = RMSNorm(d, cfg.norm_eps, dtype_of(cfg))
+        self.hnorm = RMSNorm(d, cfg.norm_eps, dtype_of(cfg))
+        self.eh_proj = linear(cfg, 2 * d, d, rngs)
+        self.blocks = nnx.List([Block(cfg, k, rngs) for k in cfg.mtp_pattern])
+        self.norm = RMSNorm(d, cfg.norm_eps, dtype_of(cfg))
+
+
+class HybridLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype_of(cfg),
+                               param_dtype=dtype_of(cfg),
+                               embedding_init=nnx.initializers.normal(stddev=0.02), rngs=rngs)
+        self.blocks = nnx.List([Block(cfg, k, rngs) for k in cfg.layer_pattern])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype_of(cfg))
+        if not cfg.tie_word_embeddings:
+            self.lm_head = linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs)
+        self.mtp = nnx.List([MTPModule(cfg, rngs) for _ in range(cfg.num_mtp_modules)])
+
+    def __call__(self, batch: StepBatch, caches: DeviceCaches,
+                 ) -> tuple[Float[Array, "T D"], DeviceCaches]:
+        """The backbone over one ragged batch: final-normed hidden states and new caches."""
+        kv, conv, ssm = list(caches.kv), list(caches.conv), list(caches.ssm)
+        x = self.embed(batch.token_ids)
+        x, _, _ = run_blocks(self.blocks, x, batch, kv, conv, ssm)
+        return self.final_norm(x), DeviceCaches(tuple(kv), tuple(conv), tuple(ssm))
+
+    def logits(self, hidden: Float[Array, "N D"]) -> Float[Array, "N V"]:
+        if self.cfg.tie_word_embeddings:
+            return (hidden @ self.embed.embedding[...].T).astype(jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)
+
+    def mtp_forward(self, depth: int, hidden: Float[Array, "T D"], next_ids: Int[Array, "T"],
+                    batch: StepBatch, caches: DeviceCaches,
+                    ) -> tuple[Float[Array, "T D"], Float[Array, "T D"], DeviceCaches]:
+        """MTP depth `depth` (0-based) at every token of the batch.
+
+        `hidden` is the previous depth's output (the main model's final-normed hidden state
+        for depth 0) and `next_ids` the token each position is followed by. Returns the
+        module's output (the next depth's input), its normed state for `logits`, and the
+        caches with this depth's K/V written.
+        """
+        module = self.mtp[depth]
+        kv, conv, ssm = list(caches.kv), list(caches.conv), list(caches.ssm)
+        x = module.eh_proj(jnp.concatenate(
+            [module.enorm(self.embed(next_ids)), module.hnorm(hidden)], axis=-1))
+        offset = len(self.cfg.attention_layers) + depth * self.cfg.mtp_pattern.count("A")
+        x, _, _ = run_blocks(module.blocks, x, batch, kv, conv, ssm, kv_offset=offset)
+        return x, module.norm(x), DeviceCaches(tuple(kv), tuple(conv), tuple(ssm))

@@ -1,0 +1,69 @@
+"""Small building blocks shared by every architecture: norms, the MLP, linear layers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+from metrale_jax.config import ModelConfig
+
+
+def dtype_of(cfg: ModelConfig) -> jnp.dtype:
+    return jnp.dtype(cfg.dtype)
+
+
+def linear(cfg: ModelConfig, d_in: int, d_out: int, rngs: nnx.Rngs, *, bias: bool = False,
+           ) -> nnx.Linear:
+    """`x @ kernel` with kernel stored `[in, out]` (the fast layout on XLA:CPU)."""
+    init = nnx.initializers.normal(stddev=0.02)
+    return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=init, dtype=dtype_of(cfg),
+                      param_dtype=dtype_of(cfg), rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype = jnp.float32):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        # Normalise in float32 whatever the activation dtype, as the reference models do.
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (self.scale[...].astype(jnp.float32) * xf).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """Mamba2's output norm: gate with silu(z) first, then RMS-normalise per group."""
+
+    def __init__(self, dim: int, groups: int, eps: float, dtype: jnp.dtype = jnp.float32):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.groups = groups
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "... D"], gate: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        xf = x.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+        grouped = xf.reshape(xf.shape[:-1] + (self.groups, -1))
+        grouped = grouped * jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True)
+                                          + self.eps)
+        return (self.scale[...] * grouped.reshape(xf.shape).astype(x.dtype)).astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """Gated SiLU (Llama, Qwen3) or the plain squared-ReLU MLP (NemotronH)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.kind = cfg.mlp_kind
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        if self.kind == "gated_silu":
+            self.gate_proj = linear(cfg, d, f, rngs)
+        self.up_proj = linear(cfg, d, f, rngs)
+        self.down_proj = linear(cfg, f, d, rngs)
+
+    def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
+        if self.kind == "gated_silu":
+            h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            h = jnp.square(jax.nn.relu(self.up_proj(x)))
+        return self.down_proj(h)

@@ -1,0 +1,104 @@
+"""Mamba2 mixer: in-projection, causal depthwise conv, SSD scan, gated norm, out-projection.
+
+A sequence's recurrent state lives in a slot: `conv [slots, K-1, conv_dim]` holds the last K-1
+conv inputs, `ssm [slots, heads, head_dim, d_state]` (float32) the SSM state. A prefill chunk
+starts from its slot's state (or from zero when `ssm_fresh`), so chunked prefill continues
+exactly where the previous chunk stopped.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.model.batch import StepBatch
+from metrale_jax.model.layers import GatedRMSNorm, dtype_of, linear
+from pallas_kernels.ssm_scan import ssd_chunk_scan, ssm_decode_step
+
+SSMState = tuple[Float[Array, "slots K1 conv_dim"], Float[Array, "slots H P N"]]
+
+
+def causal_conv(
+    inputs: Float[Array, "S Q C"],
+    prev: Float[Array, "S K1 C"],
+    weight: Float[Array, "K C"],
+    bias: Float[Array, "C"] | None,
+    query_lens: Int[Array, "S"],
+) -> tuple[Float[Array, "S Q C"], Float[Array, "S K1 C"]]:
+    """Depthwise causal conv continuing from the previous K-1 inputs; returns the new tail."""
+    k = weight.shape[0]
+    full = jnp.concatenate([prev.astype(inputs.dtype), inputs], axis=1)  # [S, K-1+Q, C]
+    q = inputs.shape[1]
+    out = sum(full[:, i:i + q, :] * weight[i] for i in range(k))
+    if bias is not None:
+        out = out + bias
+    # The new tail is the K-1 inputs ending at the row's last valid position.
+    tail_index = query_lens[:, None] + jnp.arange(k - 1)[None, :]
+    tail = jnp.take_along_axis(full, tail_index[:, :, None], axis=1)
+    return out, tail
+
+
+class Mamba2Mixer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h = cfg.mamba_num_heads
+        proj = cfg.mamba_inner + cfg.conv_dim + h
+        self.in_proj = linear(cfg, cfg.hidden_size, proj, rngs, bias=cfg.mamba_proj_bias)
+        bound = 1.0 / np.sqrt(cfg.conv_kernel)
+        self.conv_weight = nnx.Param(jax.random.uniform(
+            rngs.params(), (cfg.conv_kernel, cfg.conv_dim), dtype_of(cfg), -bound, bound))
+        if cfg.mamba_conv_bias:
+            self.conv_bias = nnx.Param(jnp.zeros((cfg.conv_dim,), dtype_of(cfg)))
+        # Mamba2's usual initialisation: A = -[1..H], dt ~ softplus^-1 of a small step.
+        self.a_log = nnx.Param(jnp.log(jnp.arange(1, h + 1, dtype=jnp.float32)))
+        self.dt_bias = nnx.Param(jnp.full((h,), np.log(np.expm1(0.01)), jnp.float32))
+        self.d_skip = nnx.Param(jnp.ones((h,), jnp.float32))
+        self.norm = GatedRMSNorm(cfg.mamba_inner, cfg.mamba_norm_groups, cfg.norm_eps,
+                                 dtype_of(cfg))
+        self.out_proj = linear(cfg, cfg.mamba_inner, cfg.hidden_size, rngs,
+                               bias=cfg.mamba_proj_bias)
+
+    def __call__(self, x: Float[Array, "T D"], batch: StepBatch, state: SSMState,
+                 ) -> tuple[Float[Array, "T D"], SSMState]:
+        cfg = self.cfg
+        inner, h, p = cfg.mamba_inner, cfg.mamba_num_heads, cfg.mamba_head_dim
+        g, n = cfg.mamba_groups, cfg.ssm_state_size
+        z, xbc, dt = jnp.split(self.in_proj(x), [inner, inner + cfg.conv_dim], axis=-1)
+
+        conv_pool, ssm_pool = state
+        slots, fresh = batch.ssm_slots, batch.ssm_fresh
+        prev_conv = jnp.where(fresh[:, None, None], 0.0, conv_pool[slots])
+        prev_ssm = jnp.where(fresh[:, None, None, None], 0.0, ssm_pool[slots])
+        query_lens = jnp.sum(batch.gather_valid, axis=1).astype(jnp.int32)
+
+        conv_bias = self.conv_bias[...] if cfg.mamba_conv_bias else None
+        xbc_conv, conv_tail = causal_conv(batch.to_padded(xbc), prev_conv,
+                                          self.conv_weight[...], conv_bias, query_lens)
+        xbc_conv = jax.nn.silu(xbc_conv)
+        xs, b, c = jnp.split(xbc_conv, [inner, inner + g * n], axis=-1)
+        s, q = xs.shape[:2]
+        xs = xs.reshape(s, q, h, p)
+        b = b.reshape(s, q, g, n)
+        c = c.reshape(s, q, g, n)
+
+        dt = jax.nn.softplus(batch.to_padded(dt).astype(jnp.float32) + self.dt_bias[...])
+        dt = jnp.clip(dt, cfg.time_step_min, cfg.time_step_max)
+        dt = jnp.where(batch.gather_valid[..., None], dt, 0.0)  # padding leaves the state alone
+        a = -jnp.exp(self.a_log[...].astype(jnp.float32))
+
+        if q == 1:
+            y, new_ssm = ssm_decode_step(xs[:, 0], dt[:, 0], a, b[:, 0], c[:, 0], prev_ssm)
+            y = y[:, None]
+        else:
+            y, new_ssm = ssd_chunk_scan(xs, dt, a, b, c, prev_ssm, chunk_size=cfg.mamba_chunk_size)
+        y = y + xs.astype(jnp.float32) * self.d_skip[...][:, None]
+        y = batch.to_flat(y.reshape(s, q, inner).astype(x.dtype))
+        out = self.out_proj(self.norm(y, z))
+
+        conv_pool = conv_pool.at[slots].set(conv_tail.astype(conv_pool.dtype))
+        ssm_pool = ssm_pool.at[slots].set(new_ssm.astype(ssm_pool.dtype))
+        return out, (conv_pool, ssm_pool)

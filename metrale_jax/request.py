@@ -1,0 +1,98 @@
+"""Sampling parameters as users give them (host only: no jax import).
+
+The fields and defaults follow vLLM's `SamplingParams`, so code written for vLLM's offline
+API reads the same here. Validation names the field that is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+
+class RequestError(ValueError):
+    """A request is invalid; raised where it enters, naming the field."""
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
+    max_tokens: int | None = 16  # None: up to the model's max sequence length
+    min_tokens: int = 0
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per output token (plus the sampled one)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(field: str, why: str) -> None:
+            raise RequestError(f"{field}: {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", f"must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
+            bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if self.min_tokens < 0 or (self.max_tokens is not None
+                                   and self.min_tokens > self.max_tokens):
+            bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative token ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                bad(name, f"must be a non-negative integer, got {value!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+
+    def check_against(self, vocab_size: int, max_logprobs: int) -> None:
+        """Checks that need the model: token ids in range, logprob counts within the cap."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > max_logprobs:
+                raise RequestError(f"{name}: {value} exceeds the engine's max_logprobs "
+                                   f"({max_logprobs})")
+        for token in list(self.logit_bias or {}) + list(self.stop_token_ids):
+            if not 0 <= int(token) < vocab_size:
+                raise RequestError(f"logit_bias/stop_token_ids: token id {token} is outside "
+                                   f"the vocabulary (size {vocab_size})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,92 @@
+"""Shape buckets: the one owner of padded step shapes and of the compiled-variant count.
+
+A step is compiled once per `StepShape` (and per static sampling mode). Ladders are powers of
+two up to the engine's limits unless the config names them. Warm-up compiles the shapes in
+`warmup_shapes()`; `CompileCounter` counts every new compiled variant so tests and telemetry
+can see a compilation in the middle of serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from metrale_jax.config import EngineConfig
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class StepShape:
+    tokens: int      # T: flat token slots
+    rows: int        # S: sequence rows
+    query_len: int   # Q: widest chunk of any row (1 for a pure decode step)
+    max_blocks: int  # MB: block-table width
+
+
+def _powers_of_two(limit: int, start: int = 1) -> tuple[int, ...]:
+    ladder, b = [], start
+    while b < limit:
+        ladder.append(b)
+        b *= 2
+    ladder.append(limit)
+    return tuple(sorted(set(ladder)))
+
+
+def _fit(ladder: tuple[int, ...], n: int, what: str) -> int:
+    for b in ladder:
+        if b >= n:
+            return b
+    raise ValueError(f"{what}: {n} exceeds the largest bucket {ladder[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketLadders:
+    tokens: tuple[int, ...]
+    rows: tuple[int, ...]
+    query: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> "BucketLadders":
+        budget = cfg.max_tokens_per_tick
+        return cls(
+            tokens=cfg.token_buckets or _powers_of_two(budget, start=8 if budget >= 8 else 1),
+            rows=cfg.seq_buckets or _powers_of_two(cfg.max_batch_size),
+            query=cfg.query_buckets or _powers_of_two(min(budget, cfg.max_seq_len), start=1),
+            blocks=cfg.block_buckets or _powers_of_two(
+                cfg.max_blocks_per_seq, start=4 if cfg.max_blocks_per_seq >= 4 else 1),
+        )
+
+    def shape_for(self, num_tokens: int, num_rows: int, widest_chunk: int, most_blocks: int,
+                  ) -> StepShape:
+        q = _fit(self.query, widest_chunk, "query length")
+        rows = _fit(self.rows, num_rows, "rows")
+        # A pure decode step has one token per row; otherwise pad the flat tokens separately.
+        # Flat tokens never fewer than the query bucket or the rows, so warm-up can enumerate
+        # exactly the shapes that occur.
+        tokens = rows if q == 1 else _fit(self.tokens, max(num_tokens, q, rows), "tokens")
+        return StepShape(tokens=tokens, rows=rows, query_len=q,
+                         max_blocks=_fit(self.blocks, max(most_blocks, 1), "blocks"))
+
+    def decode_shapes(self) -> list[StepShape]:
+        return [StepShape(r, r, 1, b) for r in self.rows for b in self.blocks]
+
+
+class CompileCounter:
+    """Counts compiled step variants by key; thread-safe because the server reads it."""
+
+    def __init__(self) -> None:
+        self._seen: set = set()
+        self._lock = threading.Lock()
+
+    def record(self, key) -> bool:
+        """Note `key`; True when it is new (a compilation is about to happen)."""
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+            return True
+
+    @property
+    def count(self) -> int:
+        with self._lock:
+            return len(self._seen)

@@ -1,0 +1,146 @@
+"""Host <-> device: pick a bucket, pack rows, run the jitted step, read results back.
+
+The runner owns the device caches and the compiled step; it knows nothing of requests.
+A caller hands it `ScheduledRow`s (a chunk of one sequence plus its sampling settings) and
+gets numpy results per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from metrale_jax.config import EngineConfig
+from metrale_jax.model.caches import allocate_caches, num_kv_blocks
+from metrale_jax.model.hybrid import HybridLM
+from metrale_jax.runner.buckets import BucketLadders, CompileCounter, StepShape
+from metrale_jax.runner.inputs import RowChunk, build_step_batch
+from metrale_jax.runner.sampler import (RowSampling, make_sampling_arrays, needs_filters,
+                                        needs_penalties)
+from metrale_jax.runner.step import StepOptions, StepRunner
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRow:
+    chunk: RowChunk
+    sampling: RowSampling = RowSampling()
+    # Prompt-logprob targets for this chunk's positions: the token that follows each one
+    # (-1 where there is none or it is not wanted). Empty when not asked for.
+    targets: Sequence[int] = ()
+
+
+@dataclasses.dataclass
+class RowResult:
+    token: int
+    logprob: float
+    rank: int
+    top_ids: np.ndarray          # [num_top]
+    top_logprobs: np.ndarray     # [num_top]
+    prompt_logprobs: np.ndarray | None = None  # [chunk] logprob of each target
+    prompt_ranks: np.ndarray | None = None     # [chunk]
+    prompt_top_ids: np.ndarray | None = None   # [chunk, num_top]
+    prompt_top_logprobs: np.ndarray | None = None
+
+
+def _ceil_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length() if n > 0 else 0
+
+
+class ModelRunner:
+    def __init__(self, model: HybridLM, engine: EngineConfig, counter: CompileCounter | None = None):
+        self.engine = engine
+        self.model_config = model.cfg
+        self.ladders = BucketLadders.from_config(engine)
+        self.step = StepRunner(model, counter)
+        self.num_blocks = num_kv_blocks(model.cfg, engine)
+        # One slot per batch row plus the null slot.
+        self.num_slots = engine.max_batch_size + 1
+        self.caches = allocate_caches(model.cfg, self.num_blocks, engine.block_size,
+                                      self.num_slots if model.cfg.mamba_layers else 1)
+
+    @property
+    def counter(self) -> CompileCounter:
+        return self.step.counter
+
+    def shape_for(self, rows: Sequence[ScheduledRow]) -> StepShape:
+        bs = self.engine.block_size
+        return self.ladders.shape_for(
+            num_tokens=sum(len(r.chunk.tokens) for r in rows), num_rows=len(rows),
+            widest_chunk=max(len(r.chunk.tokens) for r in rows),
+            most_blocks=max(-(-r.chunk.end // bs) for r in rows))
+
+    def run(self, rows: Sequence[ScheduledRow]) -> list[RowResult]:
+        shape = self.shape_for(rows)
+        batch = build_step_batch([r.chunk for r in rows], shape, self.engine.block_size)
+        samplings = [r.sampling for r in rows]
+        penalties = needs_penalties(samplings)
+        history = max((len(s.prompt_ids) + len(s.output_ids) for s in samplings if
+                       s.uses_penalties), default=0)
+        bias = max((len(s.logit_bias) for s in samplings), default=0)
+        sampling = make_sampling_arrays(samplings, shape.rows, _ceil_pow2(history) if penalties
+                                        else 0, _ceil_pow2(bias))
+        want_prompt = any(len(r.targets) for r in rows)
+        targets = None
+        if want_prompt:
+            flat = np.full(shape.tokens, -1, np.int32)
+            cursor = 0
+            for r in rows:
+                if len(r.targets):
+                    flat[cursor:cursor + len(r.targets)] = r.targets
+                cursor += len(r.chunk.tokens)
+            targets = jnp.asarray(flat)
+        options = StepOptions(num_top=self.engine.max_logprobs, penalties=penalties,
+                              filters=needs_filters(samplings), prompt_logprobs=want_prompt)
+        out, self.caches = self.step(jax.tree.map(jnp.asarray, batch),
+                                     jax.tree.map(jnp.asarray, sampling), targets,
+                                     self.caches, options)
+        out = jax.device_get(out)
+        return self._unpack(rows, out)
+
+    @staticmethod
+    def _unpack(rows: Sequence[ScheduledRow], out) -> list[RowResult]:
+        results, cursor = [], 0
+        s = out.sampled
+        for i, r in enumerate(rows):
+            n = len(r.chunk.tokens)
+            res = RowResult(token=int(s.tokens[i]), logprob=float(s.logprobs[i]),
+                            rank=int(out.ranks[i]),
+                            top_ids=s.top_ids[i], top_logprobs=s.top_logprobs[i])
+            if out.prompt is not None and len(r.targets):
+                span = slice(cursor, cursor + n)
+                res.prompt_logprobs = out.prompt.target_logprobs[span]
+                res.prompt_ranks = out.prompt.target_ranks[span]
+                res.prompt_top_ids = out.prompt.top_ids[span]
+                res.prompt_top_logprobs = out.prompt.top_logprobs[span]
+            results.append(res)
+            cursor += n
+        return results
+
+    def warmup(self, shapes: Sequence[StepShape] | None = None) -> int:
+        """Compile the step for `shapes` (default: every bucket combination) with a batch of
+        padding only; returns how many shapes were compiled."""
+        shapes = list(shapes) if shapes is not None else self.warmup_shapes()
+        for shape in shapes:
+            empty = build_step_batch([], shape, self.engine.block_size)
+            sampling = make_sampling_arrays([], shape.rows, 0, 0)
+            out, self.caches = self.step(jax.tree.map(jnp.asarray, empty),
+                                         jax.tree.map(jnp.asarray, sampling), None, self.caches,
+                                         StepOptions(num_top=self.engine.max_logprobs))
+            jax.block_until_ready(out.sampled.tokens)
+        return len(shapes)
+
+    def warmup_shapes(self) -> list[StepShape]:
+        lad = self.ladders
+        shapes = list(lad.decode_shapes())
+        for q in lad.query:
+            if q == 1:
+                continue
+            for t in lad.tokens:
+                for s in lad.rows:
+                    if t >= q and t >= s:
+                        shapes.extend(StepShape(t, s, q, b) for b in lad.blocks)
+        return shapes

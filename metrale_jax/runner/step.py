@@ -1,0 +1,107 @@
+"""The jitted ragged step: one pure function of (parameters, batch, sampling, caches).
+
+The NNX model is split once into a graph definition and its parameter leaves; the step
+rebuilds the module inside the trace, so parameters are traced arguments (never closure
+constants) and a call costs one flat list of leaves. Caches are donated: XLA updates the
+KV pages and SSM slots in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from metrale_jax.model.batch import StepBatch
+from metrale_jax.model.caches import DeviceCaches
+from metrale_jax.model.hybrid import HybridLM
+from metrale_jax.runner.buckets import CompileCounter, StepShape
+from metrale_jax.runner.sampler import SampleResult, SamplingArrays, logprobs_of, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """Static switches of a step; each combination is its own compiled variant."""
+
+    num_top: int = 20              # top-n logprobs computed for every row
+    penalties: bool = False        # some row uses repetition/presence/frequency penalties
+    filters: bool = False          # some row uses top-k/top-p/min-p
+    prompt_logprobs: bool = False  # score every token of the batch against `targets`
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptScores:
+    target_logprobs: Float[Array, "T"]  # [T] logprob of the token that follows each position
+    target_ranks: Int[Array, "T"]       # [T] 1 + how many tokens are more likely than it
+    top_ids: Int[Array, "T N"]          # [T, N]
+    top_logprobs: Float[Array, "T N"]   # [T, N]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    sampled: SampleResult                # one token per row, with raw logprobs and top-n
+    ranks: Int[Array, "S"]               # rank of each sampled token in the raw distribution
+    hidden: Float[Array, "S D"]          # final-normed hidden state of each row's last token
+    prompt: PromptScores | None          # only when StepOptions.prompt_logprobs
+
+
+class StepRunner:
+    """Owns the split model and the jitted step; counts compiled variants."""
+
+    def __init__(self, model: HybridLM, counter: CompileCounter | None = None):
+        graphdef, state = nnx.split(model)
+        self.model_config = model.cfg
+        self._leaves, treedef = jax.tree.flatten(state)
+        self.counter = counter or CompileCounter()
+        self._jitted = jax.jit(
+            functools.partial(_step, graphdef, treedef),
+            static_argnames=("options",), donate_argnames=("caches",))
+
+    @property
+    def params(self) -> list[jax.Array]:
+        return self._leaves
+
+    def __call__(self, batch: StepBatch, sampling: SamplingArrays, targets: jax.Array | None,
+                 caches: DeviceCaches, options: StepOptions,
+                 ) -> tuple[StepOutput, DeviceCaches]:
+        shape = StepShape(batch.num_tokens, batch.num_rows, batch.query_len,
+                          batch.block_tables.shape[1])
+        self.counter.record((shape, options, sampling.history_ids.shape[1],
+                             sampling.bias_ids.shape[1]))
+        if targets is None:
+            targets = jnp.full((batch.num_tokens,), -1, jnp.int32) if options.prompt_logprobs \
+                else jnp.zeros((0,), jnp.int32)
+        return self._jitted(self._leaves, batch, sampling, targets, caches, options=options)
+
+
+def _step(graphdef, treedef, leaves, batch: StepBatch, sampling: SamplingArrays,
+          targets: Int[Array, "T"], caches: DeviceCaches, *, options: StepOptions,
+          ) -> tuple[StepOutput, DeviceCaches]:
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    hidden, caches = model(batch, caches)
+    last = hidden[batch.sample_index]
+    vocab = model.cfg.vocab_size
+    logits = model.logits(last)
+    sampled = sample(logits, sampling, num_top=options.num_top,
+                     apply_penalties=options.penalties, apply_filters=options.filters,
+                     vocab_size=vocab)
+    prompt = None
+    if options.prompt_logprobs:
+        all_logits = model.logits(hidden)
+        lp, ids, top = logprobs_of(all_logits, targets, num_top=options.num_top,
+                                   vocab_size=vocab)
+        prompt = PromptScores(lp, _ranks(all_logits, targets), ids, top)
+    return StepOutput(sampled=sampled, ranks=_ranks(logits, sampled.tokens), hidden=last,
+                      prompt=prompt), caches
+
+
+def _ranks(logits: Float[Array, "N V"], chosen: Int[Array, "N"]) -> Int[Array, "N"]:
+    """vLLM's rank: 1 + the number of tokens strictly more likely than the chosen one."""
+    picked = jnp.take_along_axis(logits, jnp.clip(chosen, 0)[:, None], axis=-1)
+    return 1 + jnp.sum(logits > picked, axis=-1).astype(jnp.int32)

@@ -1,0 +1,159 @@
+"""One sequence being generated (host only: no jax).
+
+A request with `n` completions becomes `n` sequences sharing a prompt. Each sequence knows
+its tokens, how many of them are in the device caches (`num_computed`), its blocks and SSM
+slot, and applies the stop rules to what it samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from metrale_jax.outputs import CompletionOutput, Logprob, PositionLogprobs
+from metrale_jax.request import SamplingParams
+from metrale_jax.runner.sampler import RowSampling
+from metrale_jax.tokenizer import IncrementalDetokenizer, Tokenizer
+
+# Large enough to rule a token out under any temperature, small enough to stay finite.
+_BANNED = -1e9
+
+
+@dataclasses.dataclass
+class Sequence:
+    request_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    detok: IncrementalDetokenizer
+    eos_token_id: int | None
+    max_len: int  # the model's max sequence length: generation stops there
+    want_prompt_logprobs: bool = False
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    streamed_chars: int = 0
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    slot: int = 0
+    num_computed: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.want_prompt_logprobs:
+            self.prompt_logprobs = [None]
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    def next_chunk(self, budget: int) -> list[int]:
+        """The tokens not yet in the caches, at most `budget` of them."""
+        ids = self.all_ids
+        return ids[self.num_computed:self.num_computed + budget]
+
+    def prompt_targets(self, start: int, length: int) -> list[int]:
+        """For prompt logprobs: the token after each position, -1 past the prompt."""
+        n = len(self.prompt_ids)
+        return [self.prompt_ids[p + 1] if p + 1 < n else -1 for p in range(start, start + length)]
+
+    def row_sampling(self) -> RowSampling:
+        p = self.params
+        bias = dict(p.logit_bias or {})
+        if len(self.output_ids) < p.min_tokens:  # EOS and stop tokens wait for min_tokens
+            for t in p.stop_token_ids + ([] if self.eos_token_id is None or p.ignore_eos
+                                         else [self.eos_token_id]):
+                bias[t] = _BANNED
+        return RowSampling(
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+            seed=self.seed, counter=len(self.output_ids),
+            repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty, prompt_ids=self.prompt_ids,
+            output_ids=self.output_ids, logit_bias=bias)
+
+    def append(self, token: int, logprob: float, top: PositionLogprobs | None,
+               tokenizer: Tokenizer) -> None:
+        """Commit one sampled token and apply the stop rules."""
+        p = self.params
+        self.output_ids.append(token)
+        self.cumulative_logprob += logprob
+        if self.logprobs is not None:
+            self.logprobs.append(top or {})
+        if token == self.eos_token_id and not p.ignore_eos:
+            self._finish("stop", None)
+            self.text += self.detok.flush()
+            return
+        if token in p.stop_token_ids:
+            self._finish("stop", token)
+            self.text += self.detok.flush()
+            return
+        before = len(self.text)
+        self.text += self.detok.push(token)
+        if p.stop and self._cut_at_stop_string(before):
+            return
+        if p.max_tokens is not None and len(self.output_ids) >= p.max_tokens:
+            self._finish("length", None)
+        elif len(self.prompt_ids) + len(self.output_ids) >= self.max_len:
+            self._finish("length", None)
+        if self.finished:
+            self.text += self.detok.flush()
+            if p.stop:
+                self._cut_at_stop_string(before)
+
+    def _cut_at_stop_string(self, before: int) -> bool:
+        # A stop string may straddle earlier text: search from where it could begin.
+        longest = max(len(s) for s in self.params.stop)
+        start = max(0, before - longest + 1)
+        hits = [(self.text.find(s, start), s) for s in self.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        self.text = self.text[:index]
+        self._finish("stop", stop)
+        return True
+
+    def _finish(self, reason: str, stop_reason: int | str | None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason, self.stop_reason = reason, stop_reason
+
+    def stream_delta(self) -> str:
+        """New text safe to show: a tail that may still become a stop string is held back."""
+        hold = 0 if self.finished or not self.params.stop else \
+            max(len(s) for s in self.params.stop) - 1
+        end = max(self.streamed_chars, len(self.text) - hold)
+        delta = self.text[self.streamed_chars:end]
+        self.streamed_chars = end
+        return delta
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index, text=self.text, token_ids=list(self.output_ids),
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=self.logprobs, finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason)
+
+
+def position_logprobs(top_ids, top_logprobs, n: int, chosen: int, chosen_logprob: float,
+                      chosen_rank: int, tokenizer: Tokenizer) -> PositionLogprobs:
+    """The top-n entries plus the chosen token, as vLLM reports them."""
+    entries: PositionLogprobs = {}
+    for rank, (tid, lp) in enumerate(zip(top_ids[:n], top_logprobs[:n]), start=1):
+        entries[int(tid)] = Logprob(float(lp), rank, tokenizer.decode([int(tid)],
+                                                                      skip_special_tokens=False))
+    if chosen not in entries:
+        entries[chosen] = Logprob(chosen_logprob, chosen_rank,
+                                  tokenizer.decode([chosen], skip_special_tokens=False))
+    return entries

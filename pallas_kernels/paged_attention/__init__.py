@@ -1,0 +1,5 @@
+"""Ragged paged attention: write new K/V into pages, attend over a sequence's pages."""
+
+from pallas_kernels.paged_attention.reference import paged_attention, write_kv_pages
+
+__all__ = ["paged_attention", "write_kv_pages"]

@@ -1,0 +1,126 @@
+"""The offline API on the built-in model: batching, logprobs, stops, errors, compilation."""
+
+from __future__ import annotations
+
+import pytest
+
+from metrale_jax import LLM, SamplingParams
+from metrale_jax.request import RequestError
+
+ENGINE = dict(max_batch_size=4, max_tokens_per_tick=32, max_seq_len=128, block_size=8,
+              num_kv_blocks=80, seq_buckets=(2, 4), token_buckets=(16, 32),
+              query_buckets=(1, 8, 32), block_buckets=(16,), max_logprobs=5)
+PROMPTS = ["To be, or not to be", "The class statement", "x", "Python supports the",
+           "A long prompt that needs more than one chunk of the token budget to be prefilled "
+           "completely before the first token comes out of the model at all"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="session")
+def llm() -> LLM:
+    engine = LLM(**ENGINE)
+    engine.runner.warmup()
+    return engine
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_batched_equals_alone(llm):
+    together = _tokens(llm.generate(PROMPTS, GREEDY))
+    alone = [_tokens(llm.generate([p], GREEDY))[0] for p in PROMPTS]
+    assert together == alone
+    assert all(len(t) == 12 for t in together)
+    assert llm.blocks.num_free == llm.blocks.num_usable  # every block came back
+
+
+def test_preemption_by_recompute_keeps_outputs():
+    # 12 usable blocks of 8 tokens cannot hold 4 sequences of ~40 tokens: decodes preempt.
+    small = LLM(**{**ENGINE, "num_kv_blocks": 17})
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = [p * 2 for p in PROMPTS[:4]]
+    got = _tokens(small.generate(prompts, params))
+    assert got == [_tokens(small.generate([p], params))[0] for p in prompts]
+    assert small.blocks.num_free == small.blocks.num_usable
+
+
+def test_seeded_sampling_reproduces_and_varies(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True)
+    first = _tokens(llm.generate(PROMPTS[:3], params))
+    again = _tokens(llm.generate(PROMPTS[:3][::-1], params))[::-1]  # other rows, other order
+    assert first == again
+    other = _tokens(llm.generate(PROMPTS[:3], SamplingParams(
+        temperature=1.0, top_p=0.9, seed=8, max_tokens=10, ignore_eos=True)))
+    assert other != first
+
+
+def test_n_completions_differ(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8,
+                                                  ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_logprobs_shape_like_vllm(llm):
+    out = llm.generate({"prompt_token_ids": [5, 9, 300, 41, 7]}, SamplingParams(
+        temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2))[0]
+    assert out.prompt_token_ids == [5, 9, 300, 41, 7]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 5
+    for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        assert out.prompt_token_ids[pos] in entry  # the actual prompt token is always there
+        assert len(entry) in (2, 3)
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == 4
+    for token, entry in zip(comp.token_ids, comp.logprobs):
+        assert entry[token].rank == 1  # greedy picks the most likely token
+        ranks = sorted(lp.rank for lp in entry.values())
+        assert ranks[:3] == [1, 2, 3]
+    assert comp.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs)), rel=1e-5)
+
+
+def test_stop_string_is_cut_and_not_emitted(llm):
+    base = llm.generate(PROMPTS[1], GREEDY)[0].outputs[0].text
+    stop = base[3:6]
+    assert stop and stop in base
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=12,
+                                                  ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.text == base[:base.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_stream_equals_generate(llm):
+    text = "".join(llm.stream(PROMPTS[0], GREEDY))
+    assert text == llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].text
+
+
+@pytest.mark.parametrize("prompt, params, field", [
+    ("", SamplingParams(), "prompt"),
+    ("word " * 200, SamplingParams(), "prompt"),
+    ({"prompt_token_ids": [1, 99999]}, SamplingParams(), "prompt_token_ids"),
+    ("hi", SamplingParams(logprobs=50), "logprobs"),
+])
+def test_bad_requests_name_the_field(llm, prompt, params, field):
+    with pytest.raises(RequestError, match=field):
+        llm.generate(prompt, params)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
+    (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(stop=[""]), "stop"), (dict(n=0), "n"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(RequestError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_no_compilation_after_warmup(llm):
+    counter = llm.runner.counter
+    before, jit_before = counter.count, llm.runner.step._jitted._cache_size()
+    for batch in ([PROMPTS[0]], PROMPTS[:2], PROMPTS, PROMPTS[2:4], [PROMPTS[4]] * 3):
+        llm.generate(batch, SamplingParams(temperature=0.7, seed=3, max_tokens=9,
+                                           ignore_eos=True))
+    assert counter.count == before
+    assert llm.runner.step._jitted._cache_size() == jit_before
