@@ -24,20 +24,15 @@ from typing import Any, Iterator
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from metrale_jax.tokenizer import DEFAULT_CHAT_TEMPLATE
+
 VOCAB_SIZE = 2048
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 MODEL_MAX_LENGTH = 2048
 
-# ChatML.  Kept identical to metrale_jax.tokenizer.DEFAULT_CHAT_TEMPLATE.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- endif %}"
-)
+# ChatML, the engine's default template.
+CHAT_TEMPLATE = DEFAULT_CHAT_TEMPLATE
 
 
 def training_corpus() -> Iterator[str]:
