@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence as Seq
 
@@ -23,6 +24,7 @@ from metrale_jax.runner.model_runner import ModelRunner, RowResult, ScheduledRow
 from metrale_jax.sequence import Sequence, position_logprobs
 
 PromptInput = str | dict
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -34,8 +36,12 @@ class LLM:
         engine = engine_config or EngineConfig()
         if engine_overrides:
             engine = engine.replace(**engine_overrides)
-        self.engine_config = engine.replace(
-            max_seq_len=min(engine.max_seq_len, loaded.config.max_position_embeddings))
+        if engine.max_seq_len > loaded.config.max_position_embeddings:
+            logger.warning("max_seq_len %d exceeds what %s was built for; using %d",
+                           engine.max_seq_len, loaded.name,
+                           loaded.config.max_position_embeddings)
+            engine = engine.replace(max_seq_len=loaded.config.max_position_embeddings)
+        self.engine_config = engine
         self.runner = ModelRunner(loaded.model, self.engine_config)
         self._check_capacity()
         self.blocks = BlockPool(self.runner.num_blocks)
