@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from metrale_jax.config import EngineConfig
-from metrale_jax.model.caches import allocate_caches, num_kv_blocks
+from metrale_jax.model.caches import DeviceCaches, allocate_caches, num_kv_blocks
 from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.runner.buckets import BucketLadders, CompileCounter, StepShape
 from metrale_jax.runner.inputs import RowChunk, build_step_batch
@@ -46,21 +46,42 @@ class RowResult:
     prompt_top_logprobs: np.ndarray | None = None
 
 
+@dataclasses.dataclass
+class StepHandle:
+    rows: list[ScheduledRow]
+    out: object  # StepOutput on the device
+
+
+def _copy_slots(caches: DeviceCaches, src: jax.Array, dst: jax.Array) -> DeviceCaches:
+    return dataclasses.replace(
+        caches, conv=tuple(c.at[dst].set(c[src]) for c in caches.conv),
+        ssm=tuple(s.at[dst].set(s[src]) for s in caches.ssm))
+
+
 def _ceil_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length() if n > 0 else 0
 
 
 class ModelRunner:
-    def __init__(self, model: HybridLM, engine: EngineConfig, counter: CompileCounter | None = None):
+    def __init__(self, model: HybridLM, engine: EngineConfig, counter: CompileCounter | None = None,
+                 num_snapshot_slots: int = 0):
         self.engine = engine
         self.model_config = model.cfg
         self.ladders = BucketLadders.from_config(engine)
         self.step = StepRunner(model, counter)
         self.num_blocks = num_kv_blocks(model.cfg, engine)
-        # One slot per batch row plus the null slot.
-        self.num_slots = engine.max_batch_size + 1
+        # Slot 0 is the null slot, then one per running sequence (its SSM state and its
+        # future-token cell), then the SSM snapshot slots.
+        self.num_seq_slots = engine.max_batch_size + 1
+        self.num_slots = self.num_seq_slots + (num_snapshot_slots if self.has_ssm else 0)
         self.caches = allocate_caches(model.cfg, self.num_blocks, engine.block_size,
-                                      self.num_slots if model.cfg.mamba_layers else 1)
+                                      self.num_slots if self.has_ssm else 1)
+        self.future = jnp.zeros((self.num_slots,), jnp.int32)
+        self._copy_slots = jax.jit(_copy_slots, donate_argnums=(0,))
+
+    @property
+    def has_ssm(self) -> bool:
+        return bool(self.model_config.mamba_layers)
 
     @property
     def counter(self) -> CompileCounter:
@@ -74,6 +95,10 @@ class ModelRunner:
             most_blocks=max(-(-r.chunk.end // bs) for r in rows))
 
     def run(self, rows: Sequence[ScheduledRow]) -> list[RowResult]:
+        return self.collect(self.dispatch(rows))
+
+    def dispatch(self, rows: Sequence[ScheduledRow]) -> "StepHandle":
+        """Start the step on the device and return at once (JAX dispatches asynchronously)."""
         shape = self.shape_for(rows)
         batch = build_step_batch([r.chunk for r in rows], shape, self.engine.block_size)
         samplings = [r.sampling for r in rows]
@@ -95,11 +120,23 @@ class ModelRunner:
             targets = jnp.asarray(flat)
         options = StepOptions(num_top=self.engine.max_logprobs, penalties=penalties,
                               filters=needs_filters(samplings), prompt_logprobs=want_prompt)
-        out, self.caches = self.step(jax.tree.map(jnp.asarray, batch),
-                                     jax.tree.map(jnp.asarray, sampling), targets,
-                                     self.caches, options)
-        out = jax.device_get(out)
-        return self._unpack(rows, out)
+        out, self.caches, self.future = self.step(
+            jax.tree.map(jnp.asarray, batch), jax.tree.map(jnp.asarray, sampling), targets,
+            self.caches, self.future, options)
+        for leaf in jax.tree.leaves(out):
+            leaf.copy_to_host_async()  # start the read-back while the host plans ahead
+        return StepHandle(list(rows), out)
+
+    def collect(self, handle: "StepHandle") -> list[RowResult]:
+        """Wait for a dispatched step and unpack its results per row."""
+        return self._unpack(handle.rows, jax.device_get(handle.out))
+
+    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy SSM conv/state rows `src` -> `dst` (snapshots), ordered after every step
+        already dispatched."""
+        if self.has_ssm and len(src):
+            self.caches = self._copy_slots(self.caches, jnp.asarray(src, jnp.int32),
+                                           jnp.asarray(dst, jnp.int32))
 
     @staticmethod
     def _unpack(rows: Sequence[ScheduledRow], out) -> list[RowResult]:
@@ -127,9 +164,9 @@ class ModelRunner:
         for shape in shapes:
             empty = build_step_batch([], shape, self.engine.block_size)
             sampling = make_sampling_arrays([], shape.rows, 0, 0)
-            out, self.caches = self.step(jax.tree.map(jnp.asarray, empty),
-                                         jax.tree.map(jnp.asarray, sampling), None, self.caches,
-                                         StepOptions(num_top=self.engine.max_logprobs))
+            out, self.caches, self.future = self.step(
+                jax.tree.map(jnp.asarray, empty), jax.tree.map(jnp.asarray, sampling), None,
+                self.caches, self.future, StepOptions(num_top=self.engine.max_logprobs))
             jax.block_until_ready(out.sampled.tokens)
         return len(shapes)
 

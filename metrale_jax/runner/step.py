@@ -61,15 +61,18 @@ class StepRunner:
         self.counter = counter or CompileCounter()
         self._jitted = jax.jit(
             functools.partial(_step, graphdef, treedef),
-            static_argnames=("options",), donate_argnames=("caches",))
+            static_argnames=("options",), donate_argnames=("caches", "future"))
 
     @property
     def params(self) -> list[jax.Array]:
         return self._leaves
 
     def __call__(self, batch: StepBatch, sampling: SamplingArrays, targets: jax.Array | None,
-                 caches: DeviceCaches, options: StepOptions,
-                 ) -> tuple[StepOutput, DeviceCaches]:
+                 caches: DeviceCaches, future: jax.Array, options: StepOptions,
+                 ) -> tuple[StepOutput, DeviceCaches, jax.Array]:
+        """Run one step. `future` holds each slot's latest sampled token on the device:
+        a negative token id -f in the batch is read from `future[f]`, and every row's sampled
+        token is written to `future[its slot]` (the async pipeline's hand-off)."""
         shape = StepShape(batch.num_tokens, batch.num_rows, batch.query_len,
                           batch.block_tables.shape[1])
         self.counter.record((shape, options, sampling.history_ids.shape[1],
@@ -77,13 +80,18 @@ class StepRunner:
         if targets is None:
             targets = jnp.full((batch.num_tokens,), -1, jnp.int32) if options.prompt_logprobs \
                 else jnp.zeros((0,), jnp.int32)
-        return self._jitted(self._leaves, batch, sampling, targets, caches, options=options)
+        return self._jitted(self._leaves, batch, sampling, targets, caches, future,
+                            options=options)
 
 
 def _step(graphdef, treedef, leaves, batch: StepBatch, sampling: SamplingArrays,
-          targets: Int[Array, "T"], caches: DeviceCaches, *, options: StepOptions,
-          ) -> tuple[StepOutput, DeviceCaches]:
+          targets: Int[Array, "T"], caches: DeviceCaches, future: Int[Array, "slots"], *,
+          options: StepOptions) -> tuple[StepOutput, DeviceCaches, Int[Array, "slots"]]:
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    # Tokens still on the device from the previous step arrive as -slot placeholders.
+    ids = batch.token_ids
+    batch = dataclasses.replace(batch, token_ids=jnp.where(ids < 0, future[jnp.maximum(-ids, 0)],
+                                                            ids))
     hidden, caches = model(batch, caches)
     last = hidden[batch.sample_index]
     vocab = model.cfg.vocab_size
@@ -97,8 +105,9 @@ def _step(graphdef, treedef, leaves, batch: StepBatch, sampling: SamplingArrays,
         lp, ids, top = logprobs_of(all_logits, targets, num_top=options.num_top,
                                    vocab_size=vocab)
         prompt = PromptScores(lp, _ranks(all_logits, targets), ids, top)
+    future = future.at[batch.ssm_slots].set(sampled.tokens)
     return StepOutput(sampled=sampled, ranks=_ranks(logits, sampled.tokens), hidden=last,
-                      prompt=prompt), caches
+                      prompt=prompt), caches, future
 
 
 def _ranks(logits: Float[Array, "N V"], chosen: Int[Array, "N"]) -> Int[Array, "N"]:
