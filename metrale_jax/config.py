@@ -137,6 +137,15 @@ class EngineConfig:
     query_buckets: tuple[int, ...] = ()
     block_buckets: tuple[int, ...] = ()  # block-table widths; the last must cover max_seq_len
     max_logprobs: int = 20  # top-n logprobs computed on the device for every row
+    # Scheduling: the starting values of the runtime levers (scheduler/levers.py).
+    prefill_chunk_size: int = 256      # longest prefill chunk of one sequence per tick
+    admit_watermark: float = 0.01      # fraction of KV blocks admission keeps free
+    enable_prefix_cache: bool = True
+    enable_pipeline: bool = True       # dispatch step N+1 before reading step N back
+    enable_swap: bool = True           # spill to disk instead of recomputing
+    spill_dir: str | None = None       # None: a private temporary directory
+    policy: str = "fcfs"               # admission policy: fcfs | priority
+    num_ssm_snapshots: int = 16        # SSM snapshot slots for prefix reuse on hybrids
     kernel_backend: str = "auto"
     seed: int = 0
 
@@ -150,6 +159,11 @@ class EngineConfig:
         _require(self.max_tokens_per_tick >= self.max_batch_size, "max_tokens_per_tick",
                  "must be at least max_batch_size so every running sequence can decode")
         _require(self.max_logprobs >= 1, "max_logprobs", "must be >= 1")
+        _require(self.prefill_chunk_size >= 1, "prefill_chunk_size", "must be positive")
+        _require(0.0 <= self.admit_watermark < 1.0, "admit_watermark", "must be in [0, 1)")
+        _require(self.policy in ("fcfs", "priority"), "policy",
+                 f"must be fcfs or priority, got {self.policy!r}")
+        _require(self.num_ssm_snapshots >= 0, "num_ssm_snapshots", "must be >= 0")
         _require(self.kernel_backend in KERNEL_BACKENDS, "kernel_backend",
                  f"must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         for name, limit in (("token_buckets", self.max_tokens_per_tick),

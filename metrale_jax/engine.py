@@ -1,36 +1,50 @@
-"""The offline API: `LLM(model=...).generate(prompts, params)`, vLLM-shaped.
+"""LLMEngine: the model, its runner and the tick loop, plus request validation.
 
-For now requests run through a simple batched loop (admit while blocks and slots last, pack
-prefill chunks and decodes into one ragged step under the token budget, preempt the newest
-sequence by recompute when a decode finds no free block). The tick-loop scheduler replaces
-this loop; the step, the runner and the outputs stay.
+`LLM` (offline, vLLM-shaped) and `AsyncLLM` (streaming, for the server) are thin fronts:
+both build `Request`s here and drive the same `SchedulerCore`.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
+import pathlib
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence as Seq
+import shutil
+import tempfile
+from collections.abc import Sequence as Seq
 
-from metrale_jax.cache import BlockPool, SlotPool
+from metrale_jax.cache.spill import SpillStore
 from metrale_jax.config import EngineConfig
-from metrale_jax.loader.resolve import LoadedModel, load
+from metrale_jax.loader.resolve import load
 from metrale_jax.outputs import RequestOutput
 from metrale_jax.request import RequestError, SamplingParams
-from metrale_jax.runner.inputs import RowChunk
-from metrale_jax.runner.model_runner import ModelRunner, RowResult, ScheduledRow
-from metrale_jax.sequence import Sequence, position_logprobs
+from metrale_jax.runner.model_runner import ModelRunner
+from metrale_jax.scheduler.core import SchedulerCore
+from metrale_jax.scheduler.levers import Levers, LeverValues
+from metrale_jax.scheduler.policy import make_policy
+from metrale_jax.scheduler.state import OutputSink, Request
+from metrale_jax.sequence import Sequence
+from metrale_jax.telemetry import Clock, MonotonicClock
 
 PromptInput = str | dict
 logger = logging.getLogger(__name__)
 
 
-class LLM:
+class _NullSink:
+    def on_update(self, request: Request, seq: Sequence) -> None:
+        pass
+
+    def on_finished(self, request: Request) -> None:
+        pass
+
+
+class LLMEngine:
     def __init__(self, model: str | None = None, *, engine_config: EngineConfig | None = None,
-                 **engine_overrides):
-        loaded: LoadedModel = load(model)
+                 clock: Clock | None = None, sink: OutputSink | None = None,
+                 check_every_tick: bool = False, spill_backend=None, **engine_overrides):
+        loaded = load(model)
+        self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         engine = engine_config or EngineConfig()
@@ -38,16 +52,43 @@ class LLM:
             engine = engine.replace(**engine_overrides)
         if engine.max_seq_len > loaded.config.max_position_embeddings:
             logger.warning("max_seq_len %d exceeds what %s was built for; using %d",
-                           engine.max_seq_len, loaded.name,
-                           loaded.config.max_position_embeddings)
+                           engine.max_seq_len, loaded.name, loaded.config.max_position_embeddings)
             engine = engine.replace(max_seq_len=loaded.config.max_position_embeddings)
         self.engine_config = engine
-        self.runner = ModelRunner(loaded.model, self.engine_config)
+        self.runner = ModelRunner(loaded.model, engine,
+                                  num_snapshot_slots=engine.num_ssm_snapshots)
         self._check_capacity()
-        self.blocks = BlockPool(self.runner.num_blocks)
-        self.slots = SlotPool(self.runner.num_slots)
+        self._own_spill_dir = None
+        if spill_backend is None and engine.enable_swap:
+            spill_backend = SpillStore(pathlib.Path(self._spill_dir()))
+        self.core = SchedulerCore(
+            runner=self.runner, tokenizer=self.tokenizer, levers=self._levers(),
+            policy=make_policy(engine.policy), clock=clock or MonotonicClock(),
+            sink=sink or _NullSink(), max_seq_len=engine.max_seq_len,
+            block_size=engine.block_size, spill=spill_backend,
+            snapshot_slots=list(range(self.runner.num_seq_slots, self.runner.num_slots)),
+            check_every_tick=check_every_tick)
         self._ids = itertools.count()
-        self._seeds = random.Random(self.engine_config.seed)
+        self._seeds = random.Random(engine.seed)
+
+    def _spill_dir(self) -> str:
+        if self.engine_config.spill_dir is not None:
+            return self.engine_config.spill_dir
+        self._own_spill_dir = tempfile.mkdtemp(prefix="metrale-spill-")
+        return self._own_spill_dir
+
+    def _levers(self) -> Levers:
+        e = self.engine_config
+        values = LeverValues(
+            max_tokens_per_tick=e.max_tokens_per_tick, max_batch_size=e.max_batch_size,
+            admit_watermark=e.admit_watermark,
+            prefill_chunk_size=min(e.prefill_chunk_size, e.max_tokens_per_tick),
+            swap_enabled=e.enable_swap, pipeline_enabled=e.enable_pipeline,
+            prefix_cache_enabled=e.enable_prefix_cache)
+        limits = {"max_tokens_per_tick": e.max_tokens_per_tick,
+                  "max_batch_size": e.max_batch_size,
+                  "prefill_chunk_size": self.runner.ladders.query[-1]}
+        return Levers(values, limits)
 
     def _check_capacity(self) -> None:
         need = self.engine_config.max_blocks_per_seq
@@ -57,9 +98,18 @@ class LLM:
                 f"num_kv_blocks: the KV pool has {have} usable blocks but one sequence of "
                 f"max_seq_len={self.engine_config.max_seq_len} needs {need}")
 
+    @property
+    def levers(self) -> Levers:
+        return self.core.levers
+
+    def close(self) -> None:
+        if self._own_spill_dir:
+            shutil.rmtree(self._own_spill_dir, ignore_errors=True)
+            self._own_spill_dir = None
+
     # ---- requests -------------------------------------------------------------------------
 
-    def _prompt_ids(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+    def prompt_ids(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -69,13 +119,14 @@ class LLM:
                                    f"[0, {self.model_config.vocab_size})")
             return prompt.get("prompt"), list(ids)
         if isinstance(prompt, dict) and "prompt" in prompt:
-            return self._prompt_ids(prompt["prompt"])
+            return self.prompt_ids(prompt["prompt"])
         raise RequestError("prompt: expected a string or {'prompt_token_ids': [...]}, got "
                            f"{type(prompt).__name__}")
 
-    def _make_sequences(self, prompt: PromptInput, params: SamplingParams,
-                        ) -> tuple[str, str | None, list[Sequence]]:
-        text, ids = self._prompt_ids(prompt)
+    def make_request(self, prompt: PromptInput, params: SamplingParams, *, priority: int = 0,
+                     request_id: str | None = None) -> Request:
+        """Validate and tokenize where the request enters; the loop gets a clean Request."""
+        text, ids = self.prompt_ids(prompt)
         max_len = self.engine_config.max_seq_len
         if not ids:
             raise RequestError("prompt: is empty")
@@ -83,18 +134,50 @@ class LLM:
             raise RequestError(f"prompt: {len(ids)} tokens leave no room to generate within "
                                f"max_seq_len={max_len}")
         params.check_against(self.model_config.vocab_size, self.engine_config.max_logprobs)
-        request_id = str(next(self._ids))
+        request_id = request_id or str(next(self._ids))
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         seqs = [Sequence(
             request_id=request_id, index=i, prompt_ids=list(ids), params=params,
             seed=(base_seed + 0x9E3779B1 * i) & 0xFFFFFFFF,
             detok=self.tokenizer.incremental(ids, skip_special_tokens=params.skip_special_tokens),
-            eos_token_id=self.tokenizer.eos_token_id, max_len=max_len,
+            eos_token_id=self.tokenizer.eos_token_id, max_len=max_len, priority=priority,
             want_prompt_logprobs=(i == 0 and params.prompt_logprobs is not None))
             for i in range(params.n)]
-        return request_id, text, seqs
+        return Request(request_id, seqs, text)
 
-    # ---- the offline API ------------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        if request.request_id in self.core.requests:
+            raise RequestError(f"request_id: {request.request_id!r} is already in flight")
+        self.core.inbox.submit(request)
+
+    def abort(self, request_id: str) -> None:
+        self.core.inbox.abort(request_id)
+
+    def step(self) -> bool:
+        return self.core.tick()
+
+
+def request_output(request: Request) -> RequestOutput:
+    first = request.sequences[0]
+    return RequestOutput(request_id=request.request_id, prompt=request.prompt_text,
+                         prompt_token_ids=first.prompt_ids, prompt_logprobs=first.prompt_logprobs,
+                         outputs=[s.completion() for s in request.sequences],
+                         finished=request.finished)
+
+
+class LLM:
+    """The offline API: generate() runs the tick loop on the calling thread."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(model, **kwargs)
+        self.tokenizer = self.engine.tokenizer
+        self.model_config = self.engine.model_config
+        self.engine_config = self.engine.engine_config
+        self.runner = self.engine.runner
+
+    @property
+    def core(self) -> SchedulerCore:
+        return self.engine.core
 
     def generate(self, prompts: PromptInput | Seq[PromptInput],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -106,131 +189,28 @@ class LLM:
         if len(params_list) != len(prompts):
             raise RequestError(f"sampling_params: {len(params_list)} given for "
                                f"{len(prompts)} prompts")
-        requests = [self._make_sequences(p, sp) for p, sp in zip(prompts, params_list)]
-        self._run([s for _, _, seqs in requests for s in seqs])
-        return [RequestOutput(request_id=rid, prompt=text, prompt_token_ids=seqs[0].prompt_ids,
-                              prompt_logprobs=seqs[0].prompt_logprobs,
-                              outputs=[s.completion() for s in seqs], finished=True)
-                for rid, text, seqs in requests]
+        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params_list)]
+        for request in requests:
+            self.engine.submit(request)
+        while not all(r.finished for r in requests):
+            self.engine.step()
+        self.core.settle()
+        return [request_output(r) for r in requests]
 
-    def stream(self, prompt: PromptInput, params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt: PromptInput, params: SamplingParams | None = None):
         """Yield the text of one completion as it is generated (held back only where it
         could still turn into a stop string)."""
-        _, _, seqs = self._make_sequences(prompt, params or SamplingParams())
-        deltas: collections.deque[str] = collections.deque()
-        for _ in self._steps(seqs, on_step=lambda: deltas.append(seqs[0].stream_delta())):
-            while deltas:
-                yield deltas.popleft()
-        yield seqs[0].stream_delta()
-
-    # ---- the simple batched loop ----------------------------------------------------------
-
-    def _run(self, seqs: list[Sequence]) -> None:
-        for _ in self._steps(seqs):
-            pass
-
-    def _steps(self, seqs: Iterable[Sequence], on_step: Callable[[], None] | None = None,
-               ) -> Iterator[None]:
-        waiting = collections.deque(seqs)
-        running: list[Sequence] = []
-        try:
-            while waiting or running:
-                self._admit(waiting, running)
-                rows, scheduled = self._schedule(waiting, running)
-                results = self.runner.run(rows)
-                for seq, row, result in zip(scheduled, rows, results):
-                    self._commit(seq, row, result)
-                for seq in [s for s in running if s.finished]:
-                    self._release(seq)
-                    running.remove(seq)
-                if on_step:
-                    on_step()
-                yield
-        finally:
-            for seq in running:
-                self._release(seq)
-
-    def _blocks_for(self, seq: Sequence, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.engine_config.block_size) - len(seq.block_table))
-
-    def _admit(self, waiting: collections.deque, running: list[Sequence]) -> None:
-        needs_slot = bool(self.model_config.mamba_layers)
-        while waiting and len(running) < self.engine_config.max_batch_size:
-            seq = waiting[0]
-            first = min(len(seq.all_ids), self.engine_config.max_tokens_per_tick)
-            if not self.blocks.can_allocate(self._blocks_for(seq, first)):
-                break
-            waiting.popleft()
-            if needs_slot:
-                seq.slot = self.slots.allocate()
-            running.append(seq)
-
-    def _schedule(self, waiting: collections.deque, running: list[Sequence],
-                  ) -> tuple[list[ScheduledRow], list[Sequence]]:
-        budget = self.engine_config.max_tokens_per_tick
-        rows: list[ScheduledRow] = []
-        scheduled: list[Sequence] = []
-        # Decodes first: they are one token each and keep latency steady; prefills fill the rest.
-        for seq in sorted(running, key=lambda s: s.in_prefill):
-            if budget == 0:
-                break
-            chunk = seq.next_chunk(budget)
-            while not self._grow(seq, seq.num_computed + len(chunk)):
-                # Preempt the newest sequence that has no row in this step yet.
-                victims = [s for s in running if s is not seq and s not in scheduled]
-                if not victims:
-                    chunk = []
-                    break
-                self._preempt(victims[-1], running, waiting)
-            if not chunk:
-                continue
-            targets = (seq.prompt_targets(seq.num_computed, len(chunk))
-                       if seq.prompt_logprobs is not None and seq.in_prefill else ())
-            rows.append(ScheduledRow(RowChunk(chunk, seq.num_computed, list(seq.block_table),
-                                              seq.slot), seq.row_sampling(), targets))
-            scheduled.append(seq)
-            budget -= len(chunk)
-        return rows, scheduled
-
-    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        extra = self._blocks_for(seq, num_tokens)
-        if not self.blocks.can_allocate(extra):
-            return False
-        seq.block_table.extend(self.blocks.allocate(extra))
-        return True
-
-    def _preempt(self, seq: Sequence, running: list[Sequence], waiting: collections.deque,
-                 ) -> None:
-        """Free a sequence's blocks and slot; it recomputes its tokens when readmitted."""
-        self._release(seq)
-        seq.num_computed = 0
-        if seq.want_prompt_logprobs:
-            seq.prompt_logprobs = [None]  # recomputed with the prompt
-        running.remove(seq)
-        waiting.appendleft(seq)
-
-    def _release(self, seq: Sequence) -> None:
-        self.blocks.free(seq.block_table)
-        seq.block_table = []
-        if seq.slot:
-            self.slots.free(seq.slot)
-            seq.slot = 0
-
-    def _commit(self, seq: Sequence, row: ScheduledRow, result: RowResult) -> None:
-        seq.num_computed += len(row.chunk.tokens)
-        if seq.prompt_logprobs is not None and result.prompt_logprobs is not None:
-            n = seq.params.prompt_logprobs
-            for i, target in enumerate(row.targets):
-                if target < 0:
-                    continue
-                seq.prompt_logprobs.append(position_logprobs(
-                    result.prompt_top_ids[i], result.prompt_top_logprobs[i], n, target,
-                    float(result.prompt_logprobs[i]), int(result.prompt_ranks[i]),
-                    self.tokenizer))
-        if seq.num_computed < len(seq.all_ids) or seq.finished:
-            return  # a prefill chunk short of the end samples nothing
-        top = None
-        if seq.logprobs is not None:
-            top = position_logprobs(result.top_ids, result.top_logprobs, seq.params.logprobs,
-                                    result.token, result.logprob, result.rank, self.tokenizer)
-        seq.append(result.token, result.logprob, top, self.tokenizer)
+        request = self.engine.make_request(prompt, params or SamplingParams())
+        self.engine.submit(request)
+        seq = request.sequences[0]
+        while not request.finished:
+            self.engine.step()
+            delta = seq.stream_delta()
+            if delta:
+                yield delta
+        self.core.settle()
+        tail = seq.stream_delta()
+        if tail:
+            yield tail
+        if seq.error:
+            raise RequestError(seq.error)

@@ -8,6 +8,8 @@ slot, and applies the stop rules to what it samples.
 from __future__ import annotations
 
 import dataclasses
+import enum
+from typing import Any
 
 from metrale_jax.outputs import CompletionOutput, Logprob, PositionLogprobs
 from metrale_jax.request import SamplingParams
@@ -18,7 +20,16 @@ from metrale_jax.tokenizer import IncrementalDetokenizer, Tokenizer
 _BANNED = -1e9
 
 
-@dataclasses.dataclass
+class Status(enum.Enum):
+    WAITING = "waiting"        # accepted, in pending
+    PREFILLING = "prefilling"  # prompt (or a recompute) partly in the caches
+    RUNNING = "running"        # decoding
+    SWAPPED = "swapped"        # KV and SSM state on disk
+    PREEMPTED = "preempted"    # blocks freed; recomputes from scratch on resume
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
 class Sequence:
     request_id: str
     index: int
@@ -40,6 +51,21 @@ class Sequence:
     num_computed: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Scheduling state (the tick loop's; the fields later issues fill are here already).
+    status: Status = Status.WAITING
+    priority: int = 0
+    arrival: float = 0.0
+    order: int = 0                      # admission tie-breaker: submission order
+    adapter_id: int = 0                 # LoRA adapter (0: the base model)
+    adapter_slot: int = 0
+    grammar_state: Any = None           # a grammar-constrained sequence is never spilled
+    session_id: str | None = None
+    inflight: int = 0                   # sampled on the device, not yet read back
+    epoch: int = 0                      # bumped on preemption: stale results are dropped
+    spill: Any = None                   # the SpillHandle while swapped
+    spilled_blocks: int = 0
+    block_hashes: list = dataclasses.field(default_factory=list)  # committed prefix chain
+    error: str | None = None
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -59,10 +85,30 @@ class Sequence:
     def in_prefill(self) -> bool:
         return self.num_computed < len(self.prompt_ids)
 
+    @property
+    def virtual_len(self) -> int:
+        """Tokens of the sequence including those sampled but not yet read back."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.inflight
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.output_ids) + self.inflight
+
     def next_chunk(self, budget: int) -> list[int]:
-        """The tokens not yet in the caches, at most `budget` of them."""
+        """The tokens not yet in the caches, at most `budget` of them; a token still on the
+        device is the placeholder `-slot` (the step reads it from its future cell)."""
         ids = self.all_ids
-        return ids[self.num_computed:self.num_computed + budget]
+        chunk = ids[self.num_computed:self.num_computed + budget]
+        if self.inflight and len(chunk) < budget:
+            chunk = chunk + [-self.slot]
+        return chunk
+
+    def may_sample_more(self) -> bool:
+        """Count-based limits, known without reading back in-flight tokens."""
+        p = self.params
+        if p.max_tokens is not None and self.num_sampled >= p.max_tokens:
+            return False
+        return self.virtual_len < self.max_len
 
     def prompt_targets(self, start: int, length: int) -> list[int]:
         """For prompt logprobs: the token after each position, -1 past the prompt."""
@@ -72,13 +118,13 @@ class Sequence:
     def row_sampling(self) -> RowSampling:
         p = self.params
         bias = dict(p.logit_bias or {})
-        if len(self.output_ids) < p.min_tokens:  # EOS and stop tokens wait for min_tokens
+        if self.num_sampled < p.min_tokens:  # EOS and stop tokens wait for min_tokens
             for t in p.stop_token_ids + ([] if self.eos_token_id is None or p.ignore_eos
                                          else [self.eos_token_id]):
                 bias[t] = _BANNED
         return RowSampling(
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-            seed=self.seed, counter=len(self.output_ids),
+            seed=self.seed, counter=self.num_sampled,
             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, prompt_ids=self.prompt_ids,
             output_ids=self.output_ids, logit_bias=bias)

@@ -9,15 +9,16 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.layers import RMSNorm, linear
 from metrale_jax.model.rope import apply_rope, inverse_frequencies
-from pallas_kernels.paged_attention import paged_attention, write_kv_pages
+from pallas_kernels.backend import XLA, KernelOps
 
 KVPages = tuple[Float[Array, "blocks block_size kv_heads head_dim"],
                 Float[Array, "blocks block_size kv_heads head_dim"]]
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, ops: KernelOps = XLA):
         self.cfg = cfg
+        self.ops = ops  # static: which kernels (HybridLM.use_kernels)
         d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = linear(cfg, d, h * hd, rngs)
         self.k_proj = linear(cfg, d, kvh * hd, rngs)
@@ -40,8 +41,8 @@ class Attention(nnx.Module):
             inv_freq = inverse_frequencies(cfg)
             q = apply_rope(q, batch.positions, inv_freq)
             k = apply_rope(k, batch.positions, inv_freq)
-        k_pages, v_pages = write_kv_pages(kv[0], kv[1], k, v, batch.slot_mapping)
-        out = paged_attention(
+        k_pages, v_pages = self.ops.write_kv_pages(kv[0], kv[1], k, v, batch.slot_mapping)
+        out = self.ops.paged_attention(
             batch.to_padded(q), k_pages, v_pages, batch.block_tables, batch.context_lens,
             batch.to_padded(batch.positions), scale=cfg.head_dim ** -0.5)
         out = batch.to_flat(out).reshape(t, cfg.num_heads * cfg.head_dim)

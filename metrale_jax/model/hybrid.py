@@ -17,6 +17,7 @@ from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.caches import DeviceCaches
 from metrale_jax.model.layers import MLP, RMSNorm, dtype_of, linear
 from metrale_jax.model.mamba2 import Mamba2Mixer
+from pallas_kernels.backend import KernelOps, resolve
 
 
 class Block(nnx.Module):
@@ -74,6 +75,15 @@ class HybridLM(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs)
         self.mtp = nnx.List([MTPModule(cfg, rngs) for _ in range(cfg.num_mtp_modules)])
+
+    def use_kernels(self, kernel_backend: str) -> KernelOps:
+        """Route every attention and Mamba2 mixer (MTP ones too) through `kernel_backend`
+        ("auto" | "pallas" | "xla", see pallas_kernels/backend.py); split the model after."""
+        ops = resolve(kernel_backend)
+        for block in [*self.blocks, *(b for m in self.mtp for b in m.blocks)]:
+            if block.kind in ("A", "M"):
+                block.mixer.ops = ops
+        return ops
 
     def __call__(self, batch: StepBatch, caches: DeviceCaches,
                  ) -> tuple[Float[Array, "T D"], DeviceCaches]:

@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, Int
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.layers import GatedRMSNorm, dtype_of, linear
-from pallas_kernels.ssm_scan import ssd_chunk_scan, ssm_decode_step
+from pallas_kernels.backend import XLA, KernelOps
 
 SSMState = tuple[Float[Array, "slots K1 conv_dim"], Float[Array, "slots H P N"]]
 
@@ -43,8 +43,9 @@ def causal_conv(
 
 
 class Mamba2Mixer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, ops: KernelOps = XLA):
         self.cfg = cfg
+        self.ops = ops  # static: which kernels (HybridLM.use_kernels)
         h = cfg.mamba_num_heads
         proj = cfg.mamba_inner + cfg.conv_dim + h
         self.in_proj = linear(cfg, cfg.hidden_size, proj, rngs, bias=cfg.mamba_proj_bias)
@@ -91,10 +92,12 @@ class Mamba2Mixer(nnx.Module):
         a = -jnp.exp(self.a_log[...].astype(jnp.float32))
 
         if q == 1:
-            y, new_ssm = ssm_decode_step(xs[:, 0], dt[:, 0], a, b[:, 0], c[:, 0], prev_ssm)
+            y, new_ssm = self.ops.ssm_decode_step(xs[:, 0], dt[:, 0], a, b[:, 0], c[:, 0],
+                                                  prev_ssm)
             y = y[:, None]
         else:
-            y, new_ssm = ssd_chunk_scan(xs, dt, a, b, c, prev_ssm, chunk_size=cfg.mamba_chunk_size)
+            y, new_ssm = self.ops.ssd_chunk_scan(xs, dt, a, b, c, prev_ssm,
+                                                 chunk_size=cfg.mamba_chunk_size)
         y = y + xs.astype(jnp.float32) * self.d_skip[...][:, None]
         y = batch.to_flat(y.reshape(s, q, inner).astype(x.dtype))
         out = self.out_proj(self.norm(y, z))

@@ -22,6 +22,7 @@ from metrale_jax.runner.inputs import RowChunk, build_step_batch
 from metrale_jax.runner.sampler import (RowSampling, make_sampling_arrays, needs_filters,
                                         needs_penalties)
 from metrale_jax.runner.step import StepOptions, StepRunner
+from metrale_jax.runner.swap import gather_sequence, scatter_sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,7 @@ class ModelRunner:
         self.engine = engine
         self.model_config = model.cfg
         self.ladders = BucketLadders.from_config(engine)
+        model.use_kernels(engine.kernel_backend)  # before the split: the choice is static
         self.step = StepRunner(model, counter)
         self.num_blocks = num_kv_blocks(model.cfg, engine)
         # Slot 0 is the null slot, then one per running sequence (its SSM state and its
@@ -130,6 +132,14 @@ class ModelRunner:
     def collect(self, handle: "StepHandle") -> list[RowResult]:
         """Wait for a dispatched step and unpack its results per row."""
         return self._unpack(handle.rows, jax.device_get(handle.out))
+
+    def gather(self, blocks: Sequence[int], slot: int | None) -> dict[str, np.ndarray]:
+        """One sequence's KV pages (and SSM slot) copied to the host, for a spill."""
+        return gather_sequence(self.caches, blocks, slot)
+
+    def scatter(self, arrays, blocks: Sequence[int], slot: int | None) -> None:
+        """A spilled sequence's state written back into (new) blocks and slot."""
+        self.caches = scatter_sequence(self.caches, arrays, blocks, slot)
 
     def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy SSM conv/state rows `src` -> `dst` (snapshots), ordered after every step

@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-# A finite mask value keeps fully masked rows (padding) finite instead of NaN.
-_MASKED = -1e30
+from pallas_kernels.paged_attention.common import MASKED, attention_dims, kv_write_dims
 
 
 def write_kv_pages(
@@ -28,7 +27,7 @@ def write_kv_pages(
 
     Padding tokens map into the null block 0, which no valid query ever reads.
     """
-    nb, bs, kvh, hd = k_pages.shape
+    _, nb, bs, kvh, hd = kv_write_dims(k_pages, v_pages, k, v, slot_mapping)
     k_flat = k_pages.reshape(nb * bs, kvh, hd).at[slot_mapping].set(k.astype(k_pages.dtype))
     v_flat = v_pages.reshape(nb * bs, kvh, hd).at[slot_mapping].set(v.astype(v_pages.dtype))
     return k_flat.reshape(nb, bs, kvh, hd), v_flat.reshape(nb, bs, kvh, hd)
@@ -47,9 +46,9 @@ def paged_attention(
     sliding_window: int | None = None,
 ) -> Float[Array, "S Q heads head_dim"]:
     """Causal GQA attention of padded per-sequence queries over paged K/V."""
-    s, nq, nh, hd = q.shape
-    _, bs, kvh, _ = k_pages.shape
-    group = nh // kvh
+    dims = attention_dims(q, k_pages, v_pages, block_tables, context_lens, q_positions)
+    s, nq, nh, hd, kvh, group = (dims.seqs, dims.queries, dims.heads, dims.head_dim,
+                                 dims.kv_heads, dims.group)
     # Gather only the pages the bucketed block table names: [S, MB*bs, kvh, hd].
     k = k_pages[block_tables].reshape(s, -1, kvh, hd).astype(jnp.float32)
     v = v_pages[block_tables].reshape(s, -1, kvh, hd).astype(jnp.float32)
@@ -62,7 +61,7 @@ def paged_attention(
         kv_pos[None, None, :] < context_lens[:, None, None])
     if sliding_window is not None:
         visible &= kv_pos[None, None, :] > q_positions[:, :, None] - sliding_window
-    scores = jnp.where(visible[:, None, None, :, :], scores, _MASKED)
+    scores = jnp.where(visible[:, None, None, :, :], scores, MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("skgql,slkd->sqkgd", probs, v)
     return out.reshape(s, nq, nh, hd).astype(q.dtype)

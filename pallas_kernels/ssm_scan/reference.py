@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from pallas_kernels.ssm_scan.common import ssd_dims
+
 
 def _heads_from_groups(t: Float[Array, "... G N"], num_heads: int) -> Float[Array, "... H N"]:
     return jnp.repeat(t, num_heads // t.shape[-2], axis=-2)
@@ -33,8 +35,8 @@ def ssd_chunk_scan(
     chunk_size: int,
 ) -> tuple[Float[Array, "S Q H P"], Float[Array, "S H P N"]]:
     """Run the SSD over Q positions per sequence, starting from `init_state`."""
-    s, q, h, p = x.shape
-    n = b.shape[-1]
+    dims = ssd_dims(x, dt, a, b, c, init_state)
+    s, q, h, p, n = dims.seqs, dims.length, dims.heads, dims.head_dim, dims.state
     chunk = min(chunk_size, q)
     pad = (-q) % chunk
     f32 = jnp.float32
@@ -90,7 +92,7 @@ def ssm_decode_step(
     state: Float[Array, "S H P N"],
 ) -> tuple[Float[Array, "S H P"], Float[Array, "S H P N"]]:
     """One position of the recurrence: the decode path, addressed by state slot upstream."""
-    h = x.shape[1]
+    h = ssd_dims(x, dt, a, b, c, state).heads
     f32 = jnp.float32
     x, dt = x.astype(f32), dt.astype(f32)
     bh = _heads_from_groups(b.astype(f32), h)
@@ -99,3 +101,26 @@ def ssm_decode_step(
     new_state = state.astype(f32) * decay + (dt[:, :, None] * x)[..., None] * bh[:, :, None, :]
     y = jnp.einsum("shpn,shn->shp", new_state, ch)
     return y, new_state
+
+
+def ssd_scan_states(
+    x: Float[Array, "S Q H P"],
+    dt: Float[Array, "S Q H"],
+    a: Float[Array, "H"],
+    b: Float[Array, "S Q G N"],
+    c: Float[Array, "S Q G N"],
+    init_state: Float[Array, "S H P N"],
+) -> tuple[Float[Array, "S Q H P"], Float[Array, "S Q H P N"]]:
+    """The recurrence token by token, keeping the state after every position: MTP
+    verification rolls a sequence's state back to its last accepted token with it."""
+    ssd_dims(x, dt, a, b, c, init_state)
+
+    def one(state, inputs):
+        xt, dtt, bt, ct = inputs
+        y, state = ssm_decode_step(xt, dtt, a, bt, ct, state)
+        return state, (y, state)
+
+    move = lambda t: jnp.moveaxis(t, 1, 0)
+    _, (y, states) = jax.lax.scan(one, init_state.astype(jnp.float32),
+                                  (move(x), move(dt), move(b), move(c)))
+    return move(y), move(states)

@@ -1,0 +1,97 @@
+"""Which implementation of each kernel the model runs: `EngineConfig.kernel_backend`.
+
+* "xla": the jnp references (what XLA compiles on any platform).
+* "pallas": the Pallas kernels; compiled (Triton) on a GPU, interpreted elsewhere, which is
+  slow and only meant for tests.
+* "auto": the kernels on a GPU, the references everywhere else.
+
+`KernelOps` is a frozen, hashable value: the model keeps it as a static attribute, so the
+choice is part of the compiled program and never a traced branch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from pallas_kernels._pallas import next_pow2
+from pallas_kernels.mtp import kernel as mtp_kernel, reference as mtp_reference
+from pallas_kernels.paged_attention import kernel as attn_kernel, reference as attn_reference
+from pallas_kernels.ssm_scan import kernel as ssd_kernel, reference as ssd_reference
+
+BACKENDS = ("auto", "pallas", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOps:
+    use_pallas: bool = False
+    interpret: bool = False  # only meaningful with use_pallas
+
+    def _kernel_fits(self, *sizes: int) -> bool:
+        # Compiled Triton tiles are powers of two >= 16; a model whose head sizes are not
+        # runs that op on the reference rather than failing (interpret mode runs anything).
+        return self.use_pallas and (self.interpret or all(
+            n >= 16 and n & (n - 1) == 0 for n in sizes))
+
+    @property
+    def name(self) -> str:
+        if not self.use_pallas:
+            return "xla"
+        return "pallas-interpret" if self.interpret else "pallas"
+
+    def write_kv_pages(self, k_pages, v_pages, k, v, slot_mapping):
+        if not self._kernel_fits(k_pages.shape[2] * k_pages.shape[3]):
+            return attn_reference.write_kv_pages(k_pages, v_pages, k, v, slot_mapping)
+        return attn_kernel.write_kv_pages(k_pages, v_pages, k, v, slot_mapping,
+                                          interpret=self.interpret)
+
+    def paged_attention(self, q, k_pages, v_pages, block_tables, context_lens, q_positions, *,
+                        scale: float, soft_cap: float | None = None,
+                        sliding_window: int | None = None):
+        args = (q, k_pages, v_pages, block_tables, context_lens, q_positions)
+        block_size = k_pages.shape[1]
+        odd_pages = not self.interpret and block_size & (block_size - 1)
+        if not self._kernel_fits(q.shape[-1]) or odd_pages:
+            return attn_reference.paged_attention(*args, scale=scale, soft_cap=soft_cap,
+                                                  sliding_window=sliding_window)
+        # ~64 keys per inner step: a power of two, >= 16 for tl.dot, no wider than the table.
+        pages = max(1, 16 // block_size, min(next_pow2(block_tables.shape[1]), 64 // block_size))
+        return attn_kernel.paged_attention(*args, scale=scale, soft_cap=soft_cap,
+                                           sliding_window=sliding_window, pages_per_step=pages,
+                                           interpret=self.interpret)
+
+    def ssd_chunk_scan(self, x, dt, a, b, c, init_state, *, chunk_size: int):
+        if not self._kernel_fits(x.shape[-1], b.shape[-1], chunk_size):
+            return ssd_reference.ssd_chunk_scan(x, dt, a, b, c, init_state, chunk_size=chunk_size)
+        return ssd_kernel.ssd_chunk_scan(x, dt, a, b, c, init_state, chunk_size=chunk_size,
+                                         interpret=self.interpret)
+
+    def ssm_decode_step(self, x, dt, a, b, c, state):
+        if not self._kernel_fits(x.shape[-1], b.shape[-1]):
+            return ssd_reference.ssm_decode_step(x, dt, a, b, c, state)
+        return ssd_kernel.ssm_decode_step(x, dt, a, b, c, state, interpret=self.interpret)
+
+    def ssd_scan_states(self, x, dt, a, b, c, init_state):
+        if not self._kernel_fits(x.shape[-1], b.shape[-1]):
+            return ssd_reference.ssd_scan_states(x, dt, a, b, c, init_state)
+        return ssd_kernel.ssd_scan_states(x, dt, a, b, c, init_state, interpret=self.interpret)
+
+    def mtp_accept(self, target_logits, draft_tokens, draft_probs, keys, temperatures):
+        args = (target_logits, draft_tokens, draft_probs, keys, temperatures)
+        if not self.use_pallas:
+            return mtp_reference.mtp_accept(*args)
+        return mtp_kernel.mtp_accept(*args, interpret=self.interpret)
+
+
+XLA = KernelOps()
+
+
+def resolve(kernel_backend: str, platform: str | None = None) -> KernelOps:
+    """The op set for `kernel_backend` on `platform` (default: JAX's default backend)."""
+    if kernel_backend not in BACKENDS:
+        raise ValueError(f"kernel_backend: must be one of {BACKENDS}, got {kernel_backend!r}")
+    on_gpu = (platform or jax.default_backend()) == "gpu"
+    if kernel_backend == "xla" or (kernel_backend == "auto" and not on_gpu):
+        return XLA
+    return KernelOps(use_pallas=True, interpret=not on_gpu)

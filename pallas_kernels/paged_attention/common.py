@@ -1,0 +1,63 @@
+"""Shape checks shared by the paged-attention kernel and its reference, so they cannot drift."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from pallas_kernels._pallas import require
+
+# A finite mask value keeps fully masked rows (padding) finite instead of NaN.
+MASKED = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionDims:
+    seqs: int        # S: rows of the padded query layout
+    queries: int     # Q: query cells per row
+    heads: int       # H: query heads
+    kv_heads: int    # KV heads; H // kv_heads query heads share one (GQA)
+    head_dim: int
+    num_blocks: int
+    block_size: int
+    max_blocks: int  # MB: width of the block table
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def attention_dims(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                   block_tables: jax.Array, context_lens: jax.Array,
+                   q_positions: jax.Array) -> AttentionDims:
+    require(q.ndim == 4, f"q: expected [S, Q, heads, head_dim], got shape {q.shape}")
+    require(k_pages.ndim == 4, "k_pages: expected [blocks, block_size, kv_heads, head_dim], "
+            f"got shape {k_pages.shape}")
+    require(v_pages.shape == k_pages.shape,
+            f"v_pages: shape {v_pages.shape} differs from k_pages {k_pages.shape}")
+    s, nq, h, d = q.shape
+    nb, bs, kvh, kd = k_pages.shape
+    require(kd == d, f"k_pages: head_dim {kd} differs from q's {d}")
+    require(h % kvh == 0, f"q: {h} heads are not a multiple of the {kvh} kv heads")
+    require(block_tables.ndim == 2 and block_tables.shape[0] == s,
+            f"block_tables: expected [{s}, max_blocks], got shape {block_tables.shape}")
+    require(context_lens.shape == (s,),
+            f"context_lens: expected [{s}], got shape {context_lens.shape}")
+    require(q_positions.shape == (s, nq),
+            f"q_positions: expected [{s}, {nq}], got shape {q_positions.shape}")
+    return AttentionDims(s, nq, h, kvh, d, nb, bs, block_tables.shape[1])
+
+
+def kv_write_dims(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
+                  slot_mapping: jax.Array) -> tuple[int, int, int, int, int]:
+    require(k_pages.ndim == 4 and v_pages.shape == k_pages.shape,
+            f"k_pages/v_pages: expected equal [blocks, block_size, kv_heads, head_dim], got "
+            f"{k_pages.shape} and {v_pages.shape}")
+    nb, bs, kvh, d = k_pages.shape
+    t = slot_mapping.shape[0]
+    require(slot_mapping.ndim == 1, f"slot_mapping: expected [T], got {slot_mapping.shape}")
+    for name, x in (("k", k), ("v", v)):
+        require(x.shape == (t, kvh, d),
+                f"{name}: expected [{t}, {kvh}, {d}] to match the pages, got {x.shape}")
+    return t, nb, bs, kvh, d

@@ -1,0 +1,97 @@
+"""Build a SchedulerCore on the fake runner and drive it tick by tick (no jax, no sleep)."""
+
+from __future__ import annotations
+
+import pathlib
+import tempfile
+
+from metrale_jax.cache.spill import SpillStore
+from metrale_jax.default_model import ASSET_DIR
+from metrale_jax.request import SamplingParams
+from metrale_jax.scheduler.core import SchedulerCore
+from metrale_jax.scheduler.levers import Levers, LeverValues
+from metrale_jax.scheduler.policy import make_policy
+from metrale_jax.scheduler.state import Request
+from metrale_jax.sequence import Sequence
+from metrale_jax.telemetry import FakeClock
+from metrale_jax.tokenizer import Tokenizer
+from tests.fake_runner import FakeRunner
+
+TOKENIZER = Tokenizer.from_dir(ASSET_DIR)
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.updates: list[tuple[str, int, int]] = []
+        self.finished: list[str] = []
+
+    def on_update(self, request, seq) -> None:
+        self.updates.append((request.request_id, seq.index, len(seq.output_ids)))
+
+    def on_finished(self, request) -> None:
+        self.finished.append(request.request_id)
+
+
+def make_core(*, num_blocks: int = 64, block_size: int = 4, max_batch: int = 4,
+              budget: int = 16, chunk: int = 8, swap: bool = True, pipeline: bool = True,
+              prefix: bool = True, has_ssm: bool = True, watermark: float = 0.0,
+              max_seq_len: int = 64, policy: str = "fcfs", spill=None,
+              spill_dir: str | None = None) -> SchedulerCore:
+    runner = FakeRunner(num_blocks, block_size, max_batch, has_ssm=has_ssm)
+    levers = Levers(LeverValues(
+        max_tokens_per_tick=budget, max_batch_size=max_batch, admit_watermark=watermark,
+        prefill_chunk_size=chunk, swap_enabled=swap, pipeline_enabled=pipeline,
+        prefix_cache_enabled=prefix), {"max_tokens_per_tick": budget,
+                                       "max_batch_size": max_batch, "prefill_chunk_size": 64})
+    if spill is None and swap:
+        spill = SpillStore(pathlib.Path(spill_dir or tempfile.mkdtemp(prefix="fake-spill-")))
+    return SchedulerCore(
+        runner=runner, tokenizer=TOKENIZER, levers=levers, policy=make_policy(policy),
+        clock=FakeClock(step=0.001), sink=RecordingSink(), max_seq_len=max_seq_len,
+        block_size=block_size, spill=spill,
+        snapshot_slots=list(range(runner.num_seq_slots, runner.num_slots)),
+        check_every_tick=True)
+
+
+_ids = iter(range(10**9))
+
+
+def make_request(prompt: list[int], max_tokens: int = 6, *, n: int = 1, priority: int = 0,
+                 max_len: int = 64, **params) -> Request:
+    rid = f"r{next(_ids)}"
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, n=n, **params)
+    seqs = [Sequence(request_id=rid, index=i, prompt_ids=list(prompt), params=sp, seed=i,
+                     detok=TOKENIZER.incremental(prompt), eos_token_id=None, max_len=max_len,
+                     priority=priority,
+                     want_prompt_logprobs=(i == 0 and sp.prompt_logprobs is not None))
+            for i in range(n)]
+    return Request(rid, seqs, None)
+
+
+def run(core: SchedulerCore, requests: list[Request], max_ticks: int = 2000) -> int:
+    """Submit and tick until every request is finished; returns the ticks taken."""
+    for r in requests:
+        core.inbox.submit(r)
+    return drive(core, requests, max_ticks)
+
+
+def drive(core: SchedulerCore, requests: list[Request], max_ticks: int = 2000) -> int:
+    """Tick until every (already submitted) request is finished."""
+    for tick in range(max_ticks):
+        if all(r.finished for r in requests):
+            core.settle()
+            return tick
+        core.tick()
+    raise AssertionError(f"not finished after {max_ticks} ticks: "
+                         f"{[(r.request_id, [s.status for s in r.sequences]) for r in requests]}")
+
+
+def assert_accounted(core: SchedulerCore) -> None:
+    """After a workload: every block back, no slot held, spill directory empty."""
+    core.check_integrity()
+    assert core.pool.num_used == 0
+    assert core.pool.num_free + core.pool.num_cached == core.pool.num_usable
+    assert core.slots.num_free == core.slots.num_slots - 1
+    assert not (core.active or core.prefilling or core.swapped or core.preempted)
+    if core.spill is not None:
+        assert core.spill.keys() == []
