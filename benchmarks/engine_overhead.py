@@ -25,7 +25,7 @@ from metrale_jax.runner.inputs import RowChunk, build_step_batch
 from metrale_jax.runner.sampler import make_sampling_arrays
 from metrale_jax.runner.step import StepOptions
 
-CONTEXT = 64
+CONTEXT = 136  # with 2 x 40 ticks the block-table bucket (16 blocks of 16) never changes
 
 
 def _engine(batch: int, pipeline: bool, **kw) -> LLMEngine:

@@ -97,8 +97,12 @@ class Sequence:
     def next_chunk(self, budget: int) -> list[int]:
         """The tokens not yet in the caches, at most `budget` of them; a token still on the
         device is the placeholder `-slot` (the step reads it from its future cell)."""
-        ids = self.all_ids
-        chunk = ids[self.num_computed:self.num_computed + budget]
+        n_prompt, start = len(self.prompt_ids), self.num_computed
+        end = min(n_prompt + len(self.output_ids), start + budget)
+        if start >= n_prompt:  # decode: slice the outputs, no copy of the whole sequence
+            chunk = self.output_ids[start - n_prompt:end - n_prompt]
+        else:
+            chunk = self.prompt_ids[start:end] + self.output_ids[:max(0, end - n_prompt)]
         if self.inflight and len(chunk) < budget:
             chunk = chunk + [-self.slot]
         return chunk

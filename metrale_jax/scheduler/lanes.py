@@ -81,7 +81,7 @@ def _row(seq: Sequence, chunk: list[int]) -> PackedRow:
     targets = ()
     if seq.prompt_logprobs is not None and start < len(seq.prompt_ids):
         targets = seq.prompt_targets(start, len(chunk))
-    scheduled = ScheduledRow(RowChunk(chunk, start, list(seq.block_table), seq.slot),
+    scheduled = ScheduledRow(RowChunk(chunk, start, seq.block_table, seq.slot),
                              seq.row_sampling(), targets)
     return PackedRow(seq, seq.epoch, start + len(chunk) == seq.virtual_len, scheduled)
 
