@@ -160,7 +160,9 @@ class SchedulerCore:
         if request is None:
             return
         self.sink.on_update(request, seq)
-        if request.finished:
+        # Released, not just flagged: a sibling that stopped in the same step is reported
+        # before the request is.
+        if all(s.status is Status.FINISHED for s in request.sequences):
             del self.requests[request.request_id]
             self.sink.on_finished(request)
 
