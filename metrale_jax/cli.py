@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--echo", action="store_true", help="print the prompt first")
     gen.set_defaults(func=_generate)
+    from metrale_jax.train.cli import add_parser as add_train_parser  # light: no jax
+    add_train_parser(sub)
+    from server.serve import add_parser as add_serve_parser  # light: no jax, no aiohttp
+    add_serve_parser(sub)
     return parser
 
 

@@ -20,7 +20,7 @@ NEW_TOKENS = 8
 def hf_dir(tmp_path_factory):
     torch.manual_seed(0)
     cfg = NemotronHConfig(
-        vocab_size=2048, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=4096, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, intermediate_size=128, mamba_num_heads=8, mamba_head_dim=16, n_groups=2,
         ssm_state_size=16, chunk_size=8, max_position_embeddings=256, initializer_range=0.1,
         layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention",

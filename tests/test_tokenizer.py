@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import platform
 import shutil
 
 import pytest
@@ -57,7 +56,7 @@ def test_special_ids_and_vocab_size(tok: Tokenizer) -> None:
     assert tok.eos_token_id == 0
     assert tok.pad_token_id == 0
     assert tok.bos_token_id is None
-    assert tok.vocab_size == CONFIG["vocab_size"] == 2048
+    assert tok.vocab_size == CONFIG["vocab_size"] == 4096
     assert tok.all_special_ids == [0, 1, 2]
     assert tok.backend.token_to_id("<|im_start|>") == 1
     assert tok.backend.token_to_id("<|im_end|>") == 2
@@ -97,16 +96,23 @@ def test_special_tokens_in_text(tok: Tokenizer) -> None:
     assert tok.decode(ids, skip_special_tokens=False) == "a<|im_end|>b"
 
 
-@pytest.mark.skipif(
-    CONFIG.get("metrale_trained_on", "").split()[-1] != platform.python_version(),
-    reason="pydoc_data.topics differs between CPython versions",
-)
 def test_regeneration_is_deterministic(tmp_path) -> None:
+    # The real corpus is a download, so regenerate from a tiny synthetic corpus: the same
+    # texts must give byte-identical files, with the specials first and the committed
+    # tokenizer_config.json being exactly what the script writes for the real vocabulary.
     from metrale_jax.default_model import make_tokenizer
 
-    make_tokenizer.write(tmp_path)
+    texts = [f"ROMEO:\nLine {i} of verse, the {i % 7}th; thou art {i * 13 % 97} fair.\n"
+             for i in range(200)]
+    for run in ("a", "b"):
+        make_tokenizer.write(tmp_path / run, texts, vocab_size=300, trained_on="synthetic")
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert (tmp_path / name).read_bytes() == (ASSET_DIR / name).read_bytes(), name
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    small = Tokenizer.from_dir(tmp_path / "a")
+    assert small.vocab_size == 300
+    assert small.all_special_ids == [0, 1, 2] and small.eos_token_id == 0
+    assert small.decode(small.encode("ROMEO: 你好 🎉")) == "ROMEO: 你好 🎉"
+    assert make_tokenizer.tokenizer_config() == CONFIG
 
 
 # ----------------------------------------------------------------------------- transformers parity

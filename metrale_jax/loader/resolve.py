@@ -24,7 +24,7 @@ class LoadedModel:
 
 def load(name_or_dir: str | None) -> LoadedModel:
     if name_or_dir in DEFAULT_NAMES:
-        return LoadedModel(default_model.build(), default_model.CONFIG,
+        return LoadedModel(default_model.load_trained(), default_model.CONFIG,
                            Tokenizer.from_dir(ASSET_DIR), default_model.NAME)
     path = pathlib.Path(name_or_dir)
     if not path.is_dir():

@@ -1,0 +1,131 @@
+"""The bridge from a parsed request to the engine's streams.
+
+1. Each prompt is tokenized once, checked against the context, and submitted as its own
+   engine request (`<id>-<i>`); the waiting cap is checked for all of them first.
+2. `Generation.deltas()` merges the prompts' streams into one iterator of
+   (prompt index, StreamDelta), and raises `EngineDead` as soon as the engine thread dies.
+3. However the consumer leaves (finished, client gone, cancelled), every engine request not
+   finished is aborted, so its blocks come back within a tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from metrale_jax.async_engine import StreamDelta
+from metrale_jax.request import RequestError
+
+from server.metrics import RequestTimer
+from server.protocol import APIError, ParsedRequest, from_request_error
+from server.state import EngineDead, ServerState
+
+
+class Generation:
+    def __init__(self, state: ServerState, parsed: ParsedRequest, request_id: str):
+        self.state, self.parsed, self.request_id = state, parsed, request_id
+        self.prompt_ids: list[list[int]] = []
+        self.prompt_texts: list[str | None] = []
+        self.streams: list = []
+        self.timers: list[RequestTimer] = []
+        self.engine_ids: list[str] = []
+        self.finished: set[int] = set()
+        self.num_seqs = parsed.params.n * len(parsed.prompts)
+        self._admitted = False
+
+    async def submit(self) -> None:
+        """Tokenize, check and submit every prompt; on any error nothing stays submitted."""
+        state, parsed = self.state, self.parsed
+        engine = state.llm.engine
+        plans = []
+        for prompt in parsed.prompts:
+            try:
+                text, ids = engine.prompt_ids(prompt)
+            except RequestError as err:
+                raise from_request_error(err) from None
+            if not ids:
+                raise APIError(400, "prompt: is empty", param="prompt")
+            plans.append((text, ids, parsed.params_for(len(ids), state.limits)))
+        state.require_serving()
+        state.admit(self.num_seqs)
+        self._admitted = True
+        try:
+            for i, (text, ids, params) in enumerate(plans):
+                engine_id = f"{self.request_id}-{i}"
+                stream = await state.llm.generate(
+                    {"prompt_token_ids": ids, "prompt": text}, params,
+                    request_id=engine_id, priority=parsed.priority)
+                self.engine_ids.append(engine_id)
+                self.streams.append(stream)
+                self.timers.append(RequestTimer(state.metrics, state.llm, len(ids)))
+                self.prompt_ids.append(ids)
+                self.prompt_texts.append(text if text is not None
+                                         else engine.tokenizer.decode(ids))
+        except RequestError as err:
+            await self.close()
+            raise from_request_error(err) from None
+        except RuntimeError as err:  # the inbox closed under us: shutting down
+            await self.close()
+            raise APIError(503, str(err)) from None
+        except BaseException:
+            await self.close()
+            raise
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompt_ids)
+
+    async def deltas(self) -> AsyncIterator[tuple[int, StreamDelta]]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream) -> None:
+            try:
+                async for delta in stream:
+                    queue.put_nowait((i, delta))
+                queue.put_nowait((i, None))
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((i, exc))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        dead = self.state.dead
+        try:
+            while len(self.finished) < len(self.streams):
+                get = asyncio.ensure_future(queue.get())
+                waiters = {get} if dead is None else {get, dead}
+                try:
+                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not get.done():
+                        get.cancel()
+                if not get.done() or get.cancelled():
+                    raise EngineDead(repr(self.state.llm.error))
+                i, item = get.result()
+                if item is None:
+                    self.finished.add(i)
+                    self.timers[i].on_done()
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                self.timers[i].on_delta(item.index, len(item.token_ids), item.finish_reason)
+                yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.close()
+
+    async def close(self) -> None:
+        """Abort what is unfinished and give back the in-flight slots (idempotent)."""
+        for i, engine_id in enumerate(self.engine_ids):
+            if i not in self.finished:
+                self.state.llm.abort(engine_id)
+                self.timers[i].on_abort(self.parsed.params.n)
+                self.finished.add(i)
+        for stream in self.streams:
+            try:
+                await stream.aclose()
+            except RuntimeError:
+                pass
+        if self._admitted:
+            self._admitted = False
+            self.state.release(self.num_seqs)

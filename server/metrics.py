@@ -1,0 +1,171 @@
+"""Prometheus metrics in the `metrale:` namespace, shaped like vLLM's `vllm:` ones.
+
+Two sources: engine state (the scheduler's latest snapshot, the block pool, tick-phase
+timings, spill counters, compiled variants) is read when `/metrics` is scraped, by a custom
+collector; request timings (TTFT, time per output token, end-to-end, queue time) and token
+counts are observed by the server as deltas arrive, so the engine thread never waits on them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    SummaryMetricFamily)
+
+# vLLM's buckets (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class EngineCollector:
+    """Reads engine state at scrape time (plain attribute reads: no lock with the tick)."""
+
+    def __init__(self, llm, model_name: str):
+        self.llm, self.labels = llm, {"model_name": model_name}
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=list(self.labels))
+        g.add_metric(list(self.labels.values()), value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=list(self.labels))
+        c.add_metric(list(self.labels.values()), value)
+        return c
+
+    def collect(self):
+        core, engine = self.llm.core, self.llm.engine
+        snap = core.tel.snapshot
+        pool = core.pool
+        yield from self._requests(core)
+        usable = max(pool.num_usable, 1)
+        yield self._gauge("metrale:kv_cache_usage_perc",
+                          "KV-cache usage: 1 means every block is held by a sequence.",
+                          pool.num_used / usable)
+        yield self._gauge("metrale:kv_cache_free_blocks", "Free KV blocks (cached ones excluded).",
+                          pool.num_free)
+        yield self._gauge("metrale:kv_cache_cached_blocks",
+                          "Unreferenced cached prefix blocks (reclaimable).", pool.num_cached)
+        yield self._gauge("metrale:kv_cache_total_blocks", "Usable KV blocks.", pool.num_usable)
+        stats = pool.stats
+        yield self._counter("metrale:prefix_cache_queries",
+                            "Prompt tokens looked up in the prefix cache.",
+                            stats.prefix_query_tokens)
+        yield self._counter("metrale:prefix_cache_hits",
+                            "Prompt tokens found in the prefix cache.", stats.prefix_hit_tokens)
+        yield self._gauge("metrale:prefix_cache_hit_rate",
+                          "Prefix-cache hits over queries, in tokens, since start.",
+                          stats.prefix_hit_tokens / stats.prefix_query_tokens
+                          if stats.prefix_query_tokens else 0.0)
+        counters = core.tel.counters()
+        for name, doc in (("spills", "Sequences spilled to disk."),
+                          ("spill_failures", "Spills that failed (the sequence stayed)."),
+                          ("swap_ins", "Sequences read back from disk."),
+                          ("preemptions", "Sequences preempted for recompute.")):
+            yield self._counter(f"metrale:num_{name}", doc, counters.get(name, 0))
+        yield from self._phases(core.tel.phases())
+        yield self._gauge("metrale:compiled_variants",
+                          "Compiled step variants (a rise while serving means a compile).",
+                          engine.runner.counter.count)
+        yield self._counter("metrale:scheduler_steps", "Ticks run by the scheduler.",
+                            snap.steps_total if snap else 0)
+
+    def _requests(self, core):
+        """Live counts (list lengths): the snapshot goes stale while the engine idles."""
+        fields = (("num_requests_running", "Sequences prefilling or decoding.",
+                   len(core.active) + len(core.prefilling)),
+                  ("num_requests_waiting", "Sequences waiting for admission.",
+                   len(core.pending.queue)),
+                  ("num_requests_swapped", "Sequences parked: swapped to disk or preempted.",
+                   len(core.swapped) + len(core.preempted)))
+        for name, doc, value in fields:
+            yield self._gauge(f"metrale:{name}", doc, value)
+
+    def _phases(self, phases):
+        summary = SummaryMetricFamily("metrale:tick_phase_duration_seconds",
+                                      "Time spent in each phase of the tick.",
+                                      labels=[*self.labels, "phase"])
+        for phase, stats in phases.items():
+            summary.add_metric([*self.labels.values(), phase], stats.count, stats.total_s)
+        yield summary
+
+
+class ServerMetrics:
+    def __init__(self, llm, model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(llm, model_name))
+        labels = ["model_name"]
+        self.model = model_name
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = hist("metrale:time_to_first_token_seconds",
+                         "Time from submission to the first output token.", TTFT_BUCKETS)
+        self.tpot = hist("metrale:time_per_output_token_seconds",
+                         "Mean time between output tokens of one sequence.", TPOT_BUCKETS)
+        self.e2e = hist("metrale:e2e_request_latency_seconds",
+                        "Time from submission to the last output.", LATENCY_BUCKETS)
+        self.queue = hist("metrale:request_queue_time_seconds",
+                          "Time from submission until the engine admitted the request "
+                          "(first output less the tick that produced it).", LATENCY_BUCKETS)
+        self.prompt_tokens = Counter("metrale:prompt_tokens", "Prompt tokens submitted.",
+                                     labels, registry=self.registry).labels(model_name)
+        self.generation_tokens = Counter("metrale:generation_tokens", "Tokens generated.",
+                                         labels, registry=self.registry).labels(model_name)
+        self.success = Counter("metrale:request_success",
+                               "Finished sequences by finish reason.",
+                               [*labels, "finished_reason"], registry=self.registry)
+        self.rejected = Counter("metrale:request_rejected",
+                                "Requests answered with an error status, by status.",
+                                [*labels, "status"], registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Timings of one submitted prompt and its n sequences."""
+
+    def __init__(self, metrics: ServerMetrics, llm, prompt_tokens: int):
+        self.m, self.llm = metrics, llm
+        self.t0 = time.monotonic()
+        self.first: dict[int, float] = {}   # sequence index -> first token time
+        self.tokens: dict[int, int] = {}
+        self.done: set[int] = set()         # sequence indices that finished
+        self.m.prompt_tokens.inc(prompt_tokens)
+
+    def on_delta(self, index: int, new_tokens: int, finish_reason: str | None) -> None:
+        t = time.monotonic()
+        if new_tokens:
+            if not self.first:
+                ttft = t - self.t0
+                self.m.ttft.observe(ttft)
+                phases = self.llm.core.tel.phases()
+                tick = sum(phases[p].last_s for p in ("pack", "dispatch", "process"))
+                self.m.queue.observe(max(0.0, ttft - tick))
+            self.first.setdefault(index, t)
+            self.tokens[index] = self.tokens.get(index, 0) + new_tokens
+            self.m.generation_tokens.inc(new_tokens)
+        if finish_reason is not None:
+            self.done.add(index)
+            self.m.success.labels(self.m.model, finish_reason).inc()
+            n = self.tokens.get(index, 0)
+            if n > 1:
+                self.m.tpot.observe((t - self.first[index]) / (n - 1))
+
+    def on_done(self) -> None:
+        self.m.e2e.observe(time.monotonic() - self.t0)
+
+    def on_abort(self, num_seqs: int) -> None:
+        """The client went away: its unfinished sequences count as aborted."""
+        left = num_seqs - len(self.done)
+        if left > 0:
+            self.m.success.labels(self.m.model, "abort").inc(left)

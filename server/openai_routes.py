@@ -1,0 +1,241 @@
+"""`/v1/completions` and `/v1/chat/completions`, streaming (SSE) and not.
+
+Both endpoints fold the engine's deltas into `Choice`s; the non-streaming answer is the
+folded choices, the streaming one sends each fold step, so the two carry the same text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jinja2
+from aiohttp import web
+
+from server.generate import Generation
+from server.protocol import (END_OF_TURN_TOKENS, APIError, ParsedRequest, parse_chat,
+                             parse_completion, parse_json_body)
+from server.responses import (Choice, CompletionLogprobs, chat_logprob_entries,
+                              finish_fields, new_id, now, prompt_logprobs_json, usage)
+from server.sse import SSEStream
+from server.state import EngineDead, ServerState
+
+STATE: web.AppKey[ServerState] = web.AppKey("state", ServerState)
+
+
+async def read_body(request: web.Request) -> dict:
+    return parse_json_body(await request.read())
+
+
+class Fold:
+    """The choices of one response, as deltas arrive: (prompt index, sequence index)."""
+
+    def __init__(self, gen: Generation):
+        self.gen, self.n = gen, gen.parsed.params.n
+        self.choices: dict[tuple[int, int], Choice] = {}
+        self.prompt_logprobs: dict[int, list] = {}
+
+    def apply(self, prompt: int, delta) -> Choice:
+        key = (prompt, delta.index)
+        choice = self.choices.get(key)
+        if choice is None:
+            choice = self.choices[key] = Choice(index=prompt * self.n + delta.index)
+        choice.text += delta.text
+        choice.token_ids += delta.token_ids
+        choice.logprobs += delta.logprobs or []
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt] = delta.prompt_logprobs
+        if delta.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+        if delta.error:
+            raise APIError(500, f"the engine failed this request: {delta.error}")
+        return choice
+
+    def ordered(self) -> list[tuple[int, Choice]]:
+        return [(p, c) for (p, _), c in sorted(self.choices.items())]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices.values())
+
+    def usage(self) -> dict:
+        return usage(self.gen.prompt_tokens, self.completion_tokens)
+
+
+async def _run(request: web.Request, parsed: ParsedRequest, prefix: str, respond, stream):
+    state = request.app[STATE]
+    gen = Generation(state, parsed, new_id(prefix))
+    await gen.submit()
+    fold = Fold(gen)
+    async with contextlib.aclosing(gen.deltas()) as deltas:
+        if not parsed.stream:
+            async for prompt, delta in deltas:
+                fold.apply(prompt, delta)
+            return web.json_response(respond(state, gen, fold))
+        sse = SSEStream(request)
+        await sse.open()
+        try:
+            await stream(state, gen, fold, deltas, sse)
+        except (APIError, EngineDead) as err:
+            error = err if isinstance(err, APIError) else APIError(
+                500, f"the engine failed: {err}", code="engine_dead")
+            with contextlib.suppress(ConnectionResetError):
+                await sse.send(error.body())
+        except ConnectionResetError:
+            return sse.response  # the client went away; the finally aborts its requests
+        with contextlib.suppress(ConnectionResetError):
+            await sse.done()
+        return sse.response
+
+
+# ---- /v1/completions ------------------------------------------------------------------------
+
+def _completion_logprobs(state, gen: Generation, fold: Fold, prompt: int, choice: Choice,
+                         ) -> CompletionLogprobs:
+    tok = state.llm.engine.tokenizer
+    lp = CompletionLogprobs()
+    if gen.parsed.echo:
+        prompt_lp = fold.prompt_logprobs.get(prompt)
+        for pos, token in enumerate(gen.prompt_ids[prompt]):
+            lp.add(token, prompt_lp[pos] if prompt_lp else None, tok)
+    for token, entries in zip(choice.token_ids, choice.logprobs):
+        lp.add(token, entries, tok)
+    return lp
+
+
+def _completion_body(state, gen: Generation, fold: Fold) -> dict:
+    p = gen.parsed
+    choices = []
+    for prompt, c in fold.ordered():
+        finish, stop_reason = finish_fields(c, ())
+        choices.append({
+            "index": c.index,
+            "text": (gen.prompt_texts[prompt] if p.echo else "") + c.text,
+            "logprobs": _completion_logprobs(state, gen, fold, prompt, c).as_dict()
+            if p.params.logprobs is not None else None,
+            "finish_reason": finish, "stop_reason": stop_reason,
+            "prompt_logprobs": prompt_logprobs_json(fold.prompt_logprobs.get(prompt))
+            if p.params.prompt_logprobs is not None else None})
+    return {"id": gen.request_id, "object": "text_completion", "created": now(),
+            "model": state.model_name, "choices": choices, "usage": fold.usage(),
+            "system_fingerprint": None}
+
+
+async def _stream_completion(state, gen: Generation, fold: Fold, deltas, sse: SSEStream):
+    p, created = gen.parsed, now()
+    logs: dict[int, CompletionLogprobs] = {}
+    async for prompt, delta in deltas:
+        choice = fold.apply(prompt, delta)
+        text = delta.text
+        first = not choice.started
+        if first and p.echo:
+            text = gen.prompt_texts[prompt] + text
+        logprobs = None
+        if p.params.logprobs is not None:
+            if first:
+                logs[choice.index] = _completion_logprobs(state, gen, fold, prompt, choice)
+            else:
+                for token, entries in zip(delta.token_ids, delta.logprobs or []):
+                    logs[choice.index].add(token, entries, state.llm.engine.tokenizer)
+            logprobs = logs[choice.index].as_dict(choice.sent_tokens)
+            choice.sent_tokens = len(logs[choice.index].tokens)
+        if not text and delta.finish_reason is None and not first:
+            continue
+        choice.started = True
+        finish, stop_reason = finish_fields(choice, ()) if delta.finish_reason else (None, None)
+        await sse.send({"id": gen.request_id, "object": "text_completion", "created": created,
+                        "model": state.model_name,
+                        "choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
+                                     "finish_reason": finish, "stop_reason": stop_reason}]})
+    if p.include_usage:
+        await sse.send({"id": gen.request_id, "object": "text_completion", "created": created,
+                        "model": state.model_name, "choices": [], "usage": fold.usage()})
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    state.require_serving()
+    parsed = parse_completion(await read_body(request), state.limits)
+    return await _run(request, parsed, "cmpl", _completion_body, _stream_completion)
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------
+
+def render_chat(state: ServerState, messages: list[dict], options: dict) -> tuple[str, list[int]]:
+    tok = state.llm.engine.tokenizer
+    try:
+        text = tok.apply_chat_template(messages, **options)
+    except jinja2.TemplateError as err:
+        raise APIError(400, f"messages: the chat template rejected them: {err}",
+                       param="messages") from None
+    return text, tok.encode(text, add_special_tokens=False)
+
+
+def end_of_turn_ids(state: ServerState) -> tuple[int, ...]:
+    tok = state.llm.engine.tokenizer
+    ids = (tok.backend.token_to_id(t) for t in END_OF_TURN_TOKENS if t in tok.chat_template)
+    return tuple(i for i in ids if i is not None)
+
+
+def _chat_logprobs(state, parsed: ParsedRequest, tokens, logprobs) -> dict | None:
+    if parsed.top_logprobs is None:
+        return None
+    return {"content": chat_logprob_entries(tokens, logprobs, parsed.top_logprobs,
+                                            state.llm.engine.tokenizer)}
+
+
+def _chat_body(state, gen: Generation, fold: Fold) -> dict:
+    p = gen.parsed
+    choices = []
+    for _, c in fold.ordered():
+        finish, stop_reason = finish_fields(c, p.end_of_turn_ids)
+        choices.append({"index": c.index,
+                        "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+                        "logprobs": _chat_logprobs(state, p, c.token_ids, c.logprobs),
+                        "finish_reason": finish, "stop_reason": stop_reason})
+    return {"id": gen.request_id, "object": "chat.completion", "created": now(),
+            "model": state.model_name, "choices": choices, "usage": fold.usage(),
+            "prompt_logprobs": prompt_logprobs_json(fold.prompt_logprobs.get(0))
+            if p.params.prompt_logprobs is not None else None,
+            "system_fingerprint": None}
+
+
+async def _stream_chat(state, gen: Generation, fold: Fold, deltas, sse: SSEStream):
+    p, created = gen.parsed, now()
+
+    def chunk(index: int, delta: dict, logprobs=None, finish=None, stop_reason=None) -> dict:
+        return {"id": gen.request_id, "object": "chat.completion.chunk", "created": created,
+                "model": state.model_name,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                             "finish_reason": finish, "stop_reason": stop_reason}]}
+
+    async for prompt, delta in deltas:
+        choice = fold.apply(prompt, delta)
+        if not choice.started:
+            choice.started = True
+            await sse.send(chunk(choice.index, {"role": "assistant", "content": ""}))
+        finish, stop_reason = finish_fields(choice, p.end_of_turn_ids) \
+            if delta.finish_reason else (None, None)
+        if not delta.text and finish is None and not delta.token_ids:
+            continue
+        await sse.send(chunk(choice.index, {"content": delta.text} if delta.text else {},
+                             _chat_logprobs(state, p, delta.token_ids, delta.logprobs or []),
+                             finish, stop_reason))
+    if p.include_usage:
+        await sse.send({"id": gen.request_id, "object": "chat.completion.chunk",
+                        "created": created, "model": state.model_name, "choices": [],
+                        "usage": fold.usage()})
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    state.require_serving()
+    parsed, messages, options = parse_chat(await read_body(request), state.limits)
+    text, ids = render_chat(state, messages, options)
+    params = parsed.params
+    eot = end_of_turn_ids(state) if not params.ignore_eos else ()
+    if eot:
+        params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *eot])
+    parsed = dataclasses.replace(parsed, prompts=[{"prompt_token_ids": ids, "prompt": text}],
+                                 params=params, end_of_turn_ids=eot)
+    return await _run(request, parsed, "chatcmpl", _chat_body, _stream_chat)

@@ -1,0 +1,376 @@
+"""The OpenAI protocol as vLLM serves it: request bodies -> engine inputs, OpenAI error objects.
+
+Every check names the field it rejects (`param`), so a client sees what to fix; nothing here
+touches the engine beyond reading its limits and its tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from metrale_jax.request import RequestError, SamplingParams
+
+MAX_N = 32                   # completions per prompt
+MAX_PROMPTS = 64             # prompts in one /v1/completions request
+MAX_LOGIT_BIAS = 100.0
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+# End-of-turn tokens chat templates emit; a chat reply stops at them as at EOS (vLLM reads
+# the same ids from generation_config.json).
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+
+
+class APIError(Exception):
+    """An error answered to the client as `{"error": {message, type, param, code}}`."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error",
+             404: "not_found_error", 405: "invalid_request_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+             503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.code = code or str(status)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message,
+                          "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param)
+
+
+def from_request_error(err: RequestError) -> APIError:
+    """The engine's validation errors start with the field name: "max_tokens: ..."."""
+    text = str(err)
+    param = text.split(":", 1)[0].split("/")[0].strip() if ":" in text else None
+    return APIError(400, text, param=param if param and " " not in param else None)
+
+
+def parse_json_body(raw: bytes) -> dict:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise APIError(400, f"body: is not valid UTF-8 ({err.reason} at byte {err.start})",
+                       param="body") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise APIError(400, f"body: malformed JSON ({err.msg} at line {err.lineno} "
+                            f"column {err.colno})", param="body") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"body: expected a JSON object, got {type(body).__name__}",
+                       param="body")
+    return body
+
+
+# ---- typed field readers ------------------------------------------------------------------
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def get_int(body: dict, name: str, default: Any = None, lo: int | None = None,
+            hi: int | None = None) -> Any:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise bad(name, f"expected an integer, got {json.dumps(v)}")
+    if lo is not None and v < lo or hi is not None and v > hi:
+        raise bad(name, f"must be in [{lo}, {hi if hi is not None else 'inf'}], got {v}")
+    return v
+
+
+def get_float(body: dict, name: str, default: Any = None, lo: float | None = None,
+              hi: float | None = None) -> Any:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_num(v) or v != v:
+        raise bad(name, f"expected a number, got {json.dumps(v)}")
+    if lo is not None and v < lo or hi is not None and v > hi:
+        raise bad(name, f"must be in [{lo}, {hi}], got {v}")
+    return float(v)
+
+
+def get_bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(name, f"expected true or false, got {json.dumps(v)}")
+    return v
+
+
+def get_str(body: dict, name: str, default: Any = None) -> Any:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise bad(name, f"expected a string, got {json.dumps(v)}")
+    return v
+
+
+# ---- the parsed request ------------------------------------------------------------------
+
+@dataclasses.dataclass
+class ParsedRequest:
+    prompts: list           # engine prompt inputs: str or {"prompt_token_ids": [...]}
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool
+    priority: int
+    top_logprobs: int | None   # chat: top entries per position (None: no logprobs)
+    end_of_turn_ids: tuple[int, ...] = ()
+    default_max_tokens: int | None = None  # used when the body names no max_tokens
+
+    def params_for(self, prompt_len: int, limits: "Limits") -> SamplingParams:
+        """The sampling parameters for one prompt, its length checked against the context."""
+        params = self.params
+        if params.max_tokens is None and self.default_max_tokens is not None:
+            room = max(1, limits.max_seq_len - prompt_len)
+            params = dataclasses.replace(params, max_tokens=min(self.default_max_tokens, room))
+        check_room(prompt_len, params, limits)
+        return params
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What validation needs to know about the engine."""
+    model_names: tuple[str, ...]
+    max_seq_len: int
+    max_logprobs: int
+    vocab_size: int
+
+
+def check_model(body: dict, limits: Limits) -> None:
+    model = body.get("model")
+    if model is None:
+        return  # vLLM's leniency: the one served model
+    if not isinstance(model, str):
+        raise bad("model", f"expected a string, got {json.dumps(model)}")
+    if model not in limits.model_names:
+        raise APIError(404, f"model: the model `{model}` does not exist; this server "
+                            f"serves {list(limits.model_names)}", param="model",
+                       code="model_not_found")
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise bad("stream_options", "expected an object")
+    if not stream:
+        raise bad("stream_options", "is only allowed when stream is true")
+    return get_bool(opts, "include_usage", False)
+
+
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    raw = body.get("logit_bias")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise bad("logit_bias", "expected an object mapping token ids to biases")
+    bias = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise bad("logit_bias", f"key {key!r} is not a token id") from None
+        if not 0 <= token < vocab_size:
+            raise bad("logit_bias", f"token id {token} is outside the vocabulary "
+                                    f"(size {vocab_size})")
+        if not _is_num(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"bias for {key} must be a number in [-100, 100]")
+        bias[token] = float(value)
+    return bias
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad("stop", "expected a non-empty string or a list of non-empty strings")
+    return stop
+
+
+def _stop_token_ids(body: dict, vocab_size: int) -> list[int]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return []
+    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+        raise bad("stop_token_ids", f"expected a list of token ids in [0, {vocab_size})")
+    return ids
+
+
+def sampling_params(body: dict, limits: Limits, *, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None) -> SamplingParams:
+    """The fields both endpoints share, each type-checked before SamplingParams sees it."""
+    top_k = get_int(body, "top_k", 0, lo=-1)
+    try:
+        return SamplingParams(
+            n=get_int(body, "n", 1, lo=1, hi=MAX_N),
+            temperature=get_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
+            top_p=get_float(body, "top_p", 1.0),
+            top_k=top_k,
+            min_p=get_float(body, "min_p", 0.0),
+            seed=get_int(body, "seed"),
+            presence_penalty=get_float(body, "presence_penalty", 0.0),
+            frequency_penalty=get_float(body, "frequency_penalty", 0.0),
+            repetition_penalty=get_float(body, "repetition_penalty", 1.0),
+            logit_bias=_logit_bias(body, limits.vocab_size),
+            max_tokens=max_tokens,
+            min_tokens=get_int(body, "min_tokens", 0, lo=0),
+            stop=_stop(body),
+            stop_token_ids=_stop_token_ids(body, limits.vocab_size),
+            ignore_eos=get_bool(body, "ignore_eos"),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+        )
+    except RequestError as err:
+        raise from_request_error(err) from None
+
+
+def _max_tokens(body: dict, *names: str) -> int | None:
+    for name in names:
+        value = get_int(body, name, lo=1)
+        if value is not None:
+            return value
+    return None
+
+
+def _logprob_count(body: dict, name: str, limits: Limits) -> int | None:
+    return get_int(body, name, lo=0, hi=limits.max_logprobs)
+
+
+def _prompts(body: dict, limits: Limits) -> list:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad("prompt", "is required")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            prompts = list(prompt)
+        elif all(_is_int(t) for t in prompt):
+            prompts = [{"prompt_token_ids": prompt}]
+        elif all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+            prompts = [{"prompt_token_ids": p} for p in prompt]
+        else:
+            raise bad("prompt", "expected a string, a list of strings, a list of token ids "
+                                "or a list of token-id lists")
+        if len(prompts) > MAX_PROMPTS:
+            raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+        for p in prompts:
+            ids = p["prompt_token_ids"] if isinstance(p, dict) else []
+            if any(not 0 <= t < limits.vocab_size for t in ids):
+                raise bad("prompt", f"token ids must be in [0, {limits.vocab_size})")
+        return prompts
+    raise bad("prompt", "expected a non-empty string, list of strings, list of token ids "
+                        "or list of token-id lists")
+
+
+def parse_completion(body: dict, limits: Limits) -> ParsedRequest:
+    check_model(body, limits)
+    prompts = _prompts(body, limits)
+    stream = get_bool(body, "stream")
+    echo = get_bool(body, "echo")
+    logprobs = _logprob_count(body, "logprobs", limits)
+    prompt_logprobs = _logprob_count(body, "prompt_logprobs", limits)
+    if echo and logprobs is not None and prompt_logprobs is None:
+        prompt_logprobs = logprobs  # echo with logprobs reports the prompt's too, as vLLM
+    # No max_tokens: 16 as OpenAI, cut to the room left after each prompt (see fit_default).
+    params = sampling_params(body, limits, max_tokens=_max_tokens(body, "max_tokens"),
+                             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    get_str(body, "user")
+    return ParsedRequest(prompts, params, stream, _stream_options(body, stream), echo,
+                         get_int(body, "priority", 0), None,
+                         default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS)
+
+
+def _message_text(message: dict, i: int) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and message.get("role") == "assistant":
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise bad(f"messages[{i}].content",
+                          "only text parts ({\"type\": \"text\", \"text\": ...}) are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"messages[{i}].content", "expected a string or a list of text parts")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "expected a non-empty list of messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad(f"messages[{i}]", "expected an object with role and content")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise bad(f"messages[{i}].role",
+                      f"must be one of {list(CHAT_ROLES)}, got {json.dumps(role)}")
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _message_text(message, i)})
+    return out
+
+
+def parse_chat(body: dict, limits: Limits) -> tuple[ParsedRequest, list[dict], dict]:
+    """The parsed request (its prompt still to render), the messages, template options."""
+    check_model(body, limits)
+    messages = chat_messages(body)
+    stream = get_bool(body, "stream")
+    want = get_bool(body, "logprobs")
+    top = get_int(body, "top_logprobs", lo=0, hi=min(20, limits.max_logprobs))
+    if top is not None and not want:
+        raise bad("top_logprobs", "requires logprobs to be true")
+    logprobs = (top or 0) if want else None
+    prompt_logprobs = _logprob_count(body, "prompt_logprobs", limits)
+    params = sampling_params(body, limits,
+                             max_tokens=_max_tokens(body, "max_completion_tokens", "max_tokens"),
+                             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    get_str(body, "user")
+    template_kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(template_kwargs, dict):
+        raise bad("chat_template_kwargs", "expected an object")
+    options = {"add_generation_prompt": get_bool(body, "add_generation_prompt", True),
+               **template_kwargs}
+    parsed = ParsedRequest([], params, stream, _stream_options(body, stream), False,
+                           get_int(body, "priority", 0), logprobs)
+    return parsed, messages, options
+
+
+def check_room(prompt_len: int, params: SamplingParams, limits: Limits) -> None:
+    """A max_tokens the context cannot hold is an error (vLLM's), never a silent cut."""
+    if prompt_len >= limits.max_seq_len:
+        raise bad("prompt", f"{prompt_len} tokens leave no room to generate within this "
+                            f"model's maximum context length of {limits.max_seq_len} tokens")
+    if params.max_tokens is not None and prompt_len + params.max_tokens > limits.max_seq_len:
+        raise bad("max_tokens", f"this model's maximum context length is {limits.max_seq_len} "
+                                f"tokens; you asked for {params.max_tokens} tokens after a "
+                                f"prompt of {prompt_len}")

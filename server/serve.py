@@ -1,0 +1,176 @@
+"""`metrale serve`: the OpenAI-compatible server as a process.
+
+1. Load the model and build the engine (before the port opens).
+2. Bind; `/health` answers "starting" (503) and the API 503 while the step buckets compile.
+3. Warm-up done: start the engine thread, `/health` says "ok", log the ready line.
+4. SIGTERM/SIGINT: stop accepting (503 "draining"), finish what is in flight, shut the
+   engine down, exit 0.
+
+This module imports nothing heavy at import time: the CLI builds its parser cheaply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pathlib
+
+API_KEY_ENV = "METRALE_API_KEY"
+DEFAULT_CACHE = pathlib.Path.home() / ".cache" / "metrale_jax" / "xla"
+logger = logging.getLogger("metrale.server")
+
+
+def _ladder(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated sizes, got {text!r}") from None
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a local checkpoint directory "
+                                                 "(default: the built-in model)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default loopback; 0.0.0.0 exposes the server)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="name(s) clients use for the model (repeatable)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="sequences allowed to wait beyond the running batch before 429")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--drain-timeout", type=float, default=120.0,
+                   help="seconds SIGTERM waits for in-flight requests")
+    p.add_argument("--compilation-cache", default=str(DEFAULT_CACHE),
+                   help="JAX persistent compilation cache directory ('none' to disable)")
+    p.add_argument("--log-level", default="INFO")
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-seq-len", type=int, default=2048)
+    e.add_argument("--max-batch-size", type=int, default=64)
+    e.add_argument("--max-tokens-per-tick", type=int, default=256,
+                   help="token budget of one ragged batch (modest: CPU-friendly)")
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--num-kv-blocks", type=int, default=None)
+    e.add_argument("--max-logprobs", type=int, default=20)
+    e.add_argument("--prefill-chunk-size", type=int, default=256)
+    e.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs")
+    e.add_argument("--kernel-backend", choices=("auto", "pallas", "xla"), default="auto")
+    e.add_argument("--spill-dir", default=None)
+    e.add_argument("--no-prefix-cache", action="store_true")
+    e.add_argument("--no-pipeline", action="store_true")
+    e.add_argument("--no-swap", action="store_true")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--ladders", choices=("sparse", "pow2"), default="sparse",
+                   help="default bucket ladders: a few sizes (fast warm-up) or powers of two")
+    for name in ("token", "seq", "query", "block"):
+        e.add_argument(f"--{name}-buckets", type=_ladder, default=None,
+                       help="comma-separated bucket sizes (overrides --ladders)")
+    p.set_defaults(func=main)
+    return p
+
+
+def _sparse(*sizes: int) -> tuple[int, ...]:
+    return tuple(sorted({s for s in sizes if s > 0}))
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    blocks_per_seq = -(-args.max_seq_len // args.block_size)
+    budget = args.max_tokens_per_tick
+    kwargs = dict(max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
+                  max_tokens_per_tick=budget, block_size=args.block_size,
+                  num_kv_blocks=args.num_kv_blocks, max_logprobs=args.max_logprobs,
+                  prefill_chunk_size=args.prefill_chunk_size, policy=args.policy,
+                  kernel_backend=args.kernel_backend, spill_dir=args.spill_dir,
+                  enable_prefix_cache=not args.no_prefix_cache,
+                  enable_pipeline=not args.no_pipeline, enable_swap=not args.no_swap,
+                  seed=args.seed)
+    if args.ladders == "sparse":  # two or three sizes per axis: ~16 compiled shapes
+        kwargs.update(
+            token_buckets=_sparse(min(64, budget), budget),
+            seq_buckets=_sparse(min(8, args.max_batch_size), args.max_batch_size),
+            query_buckets=_sparse(1, min(32, budget, args.max_seq_len),
+                                  min(budget, args.max_seq_len)),
+            block_buckets=_sparse(min(32, blocks_per_seq), blocks_per_seq))
+    for name in ("token", "seq", "query", "block"):
+        ladder = getattr(args, f"{name}_buckets")
+        if ladder is not None:
+            kwargs[f"{name}_buckets"] = ladder
+    return kwargs
+
+
+def _enable_compilation_cache(directory: str) -> None:
+    if directory.lower() == "none":
+        return
+    import jax
+
+    pathlib.Path(directory).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def main(args: argparse.Namespace) -> int:
+    import asyncio
+
+    # Libraries (jax, orbax) at WARNING; the server's own lines at --log-level.
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("metrale", "metrale_jax"):
+        logging.getLogger(name).setLevel(args.log_level.upper())
+    _enable_compilation_cache(args.compilation_cache)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    return asyncio.run(_serve(args, api_key))
+
+
+async def _serve(args: argparse.Namespace, api_key: str | None) -> int:
+    import asyncio
+    import signal
+    import time
+
+    from aiohttp import web
+
+    from metrale_jax.async_engine import AsyncLLM
+    from server.app import create_app
+    from server.openai_routes import STATE
+    from server.state import ServerConfig
+
+    llm = AsyncLLM(args.model, **engine_kwargs(args))
+    config = ServerConfig(served_model_names=tuple(args.served_model_name or ()),
+                          api_key=api_key, max_waiting=args.max_waiting,
+                          max_body_bytes=args.max_body_bytes)
+    app = create_app(llm, config, status="starting")
+    state = app[STATE]
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    url = f"http://{args.host}:{args.port}"
+    logger.info("warming up %s on %s (/health says 'starting' until ready)",
+                llm.engine.model_name, url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    t0 = time.monotonic()
+    await asyncio.to_thread(llm.engine.runner.warmup)
+    llm.start()
+    state.status = "ok"
+    logger.info("metrale is ready: serving %s as %s on %s (warm-up %.1f s, %d compiled "
+                "variants%s)", llm.engine.model_name, list(state.limits.model_names), url,
+                time.monotonic() - t0, llm.engine.runner.counter.count,
+                ", API key required" if api_key else "")
+    await stop.wait()
+    state.status = "draining" if state.status == "ok" else state.status
+    logger.info("shutting down: %d requests in flight, accepting no new ones",
+                state.inflight_requests)
+    try:
+        await asyncio.wait_for(state.idle.wait(), args.drain_timeout)
+    except asyncio.TimeoutError:
+        logger.warning("drain timed out after %.0f s", args.drain_timeout)
+    await asyncio.to_thread(llm.shutdown, 30)
+    await runner.cleanup()
+    logger.info("stopped")
+    return 0

@@ -1,0 +1,166 @@
+"""A table of bad requests: each gets the right status and an OpenAI error object naming the
+problem, and a valid request right after it succeeds (the server keeps serving)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from metrale_jax.async_engine import AsyncLLM
+from server.app import create_app
+from server.state import ServerConfig
+
+MODEL = os.environ.get("METRALE_TEST_MODEL") or None
+ENGINE = dict(max_batch_size=4, max_tokens_per_tick=32, max_seq_len=64, seq_buckets=(4,),
+              token_buckets=(16, 32), query_buckets=(1, 8, 32), block_size=8,
+              num_kv_blocks=40, block_buckets=(8,), max_logprobs=2)
+KEY = "k3y"
+BODY_LIMIT = 64 * 1024
+
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+OK = {"prompt": "Hello", "max_tokens": 2}
+USER = [{"role": "user", "content": "Hi"}]
+
+# (id, method, path, body (dict: JSON; bytes: raw), headers, status, param, words in message)
+CASES = [
+    ("malformed-json", "post", CMPL, b'{"prompt": "x",', None, 400, "body", "malformed JSON"),
+    ("body-not-object", "post", CMPL, b"[1, 2]", None, 400, "body", "JSON object"),
+    ("invalid-utf8", "post", CMPL, b'{"prompt": "\xff\xfe"}', None, 400, "body", "UTF-8"),
+    ("empty-body", "post", CMPL, b"", None, 400, "body", "malformed JSON"),
+    ("missing-prompt", "post", CMPL, {"max_tokens": 2}, None, 400, "prompt", "required"),
+    ("prompt-wrong-type", "post", CMPL, {"prompt": 5}, None, 400, "prompt", "expected"),
+    ("prompt-empty-list", "post", CMPL, {"prompt": []}, None, 400, "prompt", "non-empty"),
+    ("prompt-mixed-list", "post", CMPL, {"prompt": ["a", 1]}, None, 400, "prompt", "token"),
+    ("prompt-token-out-of-vocab", "post", CMPL, {"prompt": [99999999]}, None, 400, "prompt",
+     "token ids"),
+    ("prompt-negative-token", "post", CMPL, {"prompt": [[3, -1]]}, None, 400, "prompt",
+     "token ids"),
+    ("prompt-empty-string", "post", CMPL, {"prompt": ""}, None, 400, "prompt", "empty"),
+    ("prompt-too-long", "post", CMPL, {"prompt": "word " * 200}, None, 400, "prompt",
+     "context length"),
+    ("max-tokens-negative", "post", CMPL, {**OK, "max_tokens": -1}, None, 400, "max_tokens",
+     "must be in"),
+    ("max-tokens-zero", "post", CMPL, {**OK, "max_tokens": 0}, None, 400, "max_tokens",
+     "must be in"),
+    ("max-tokens-huge", "post", CMPL, {**OK, "max_tokens": 10**9}, None, 400, "max_tokens",
+     "context length"),
+    ("max-tokens-string", "post", CMPL, {**OK, "max_tokens": "10"}, None, 400, "max_tokens",
+     "integer"),
+    ("max-tokens-float", "post", CMPL, {**OK, "max_tokens": 1.5}, None, 400, "max_tokens",
+     "integer"),
+    ("temperature-negative", "post", CMPL, {**OK, "temperature": -0.5}, None, 400,
+     "temperature", "must be in"),
+    ("temperature-too-high", "post", CMPL, {**OK, "temperature": 3}, None, 400,
+     "temperature", "must be in"),
+    ("temperature-string", "post", CMPL, {**OK, "temperature": "hot"}, None, 400,
+     "temperature", "number"),
+    ("top-p-zero", "post", CMPL, {**OK, "top_p": 0}, None, 400, "top_p", "(0, 1]"),
+    ("top-p-too-high", "post", CMPL, {**OK, "top_p": 1.5}, None, 400, "top_p", "(0, 1]"),
+    ("top-k-negative", "post", CMPL, {**OK, "top_k": -5}, None, 400, "top_k", "must be in"),
+    ("min-p-too-high", "post", CMPL, {**OK, "min_p": 2}, None, 400, "min_p", "[0, 1]"),
+    ("n-zero", "post", CMPL, {**OK, "n": 0}, None, 400, "n", "must be in"),
+    ("n-huge", "post", CMPL, {**OK, "n": 1000}, None, 400, "n", "must be in"),
+    ("logprobs-over-cap", "post", CMPL, {**OK, "logprobs": 3}, None, 400, "logprobs",
+     "must be in"),
+    ("logprobs-negative", "post", CMPL, {**OK, "logprobs": -1}, None, 400, "logprobs",
+     "must be in"),
+    ("presence-penalty-range", "post", CMPL, {**OK, "presence_penalty": 5}, None, 400,
+     "presence_penalty", "[-2, 2]"),
+    ("repetition-penalty-zero", "post", CMPL, {**OK, "repetition_penalty": 0}, None, 400,
+     "repetition_penalty", "(0, 10]"),
+    ("seed-string", "post", CMPL, {**OK, "seed": "abc"}, None, 400, "seed", "integer"),
+    ("stop-not-strings", "post", CMPL, {**OK, "stop": [1]}, None, 400, "stop", "string"),
+    ("logit-bias-bad-key", "post", CMPL, {**OK, "logit_bias": {"abc": 1}}, None, 400,
+     "logit_bias", "token id"),
+    ("logit-bias-out-of-range", "post", CMPL, {**OK, "logit_bias": {"5": 500}}, None, 400,
+     "logit_bias", "[-100, 100]"),
+    ("stream-not-bool", "post", CMPL, {**OK, "stream": "yes"}, None, 400, "stream", "true"),
+    ("stream-options-without-stream", "post", CMPL,
+     {**OK, "stream_options": {"include_usage": True}}, None, 400, "stream_options", "stream"),
+    ("unknown-model", "post", CMPL, {**OK, "model": "gpt-9"}, None, 404, "model",
+     "does not exist"),
+    ("chat-missing-messages", "post", CHAT, {"max_tokens": 2}, None, 400, "messages",
+     "non-empty"),
+    ("chat-empty-messages", "post", CHAT, {"messages": []}, None, 400, "messages", "non-empty"),
+    ("chat-messages-string", "post", CHAT, {"messages": "hi"}, None, 400, "messages", "list"),
+    ("chat-bad-role", "post", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, None,
+     400, "messages[0].role", "wizard"),
+    ("chat-message-not-object", "post", CHAT, {"messages": ["hi"]}, None, 400, "messages[0]",
+     "object"),
+    ("chat-image-part", "post", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, None, 400,
+     "messages[0].content", "text parts"),
+    ("chat-content-number", "post", CHAT, {"messages": [{"role": "user", "content": 5}]}, None,
+     400, "messages[0].content", "string"),
+    ("chat-top-logprobs-without-logprobs", "post", CHAT, {"messages": USER, "top_logprobs": 1},
+     None, 400, "top_logprobs", "logprobs"),
+    ("chat-top-logprobs-over-cap", "post", CHAT,
+     {"messages": USER, "logprobs": True, "top_logprobs": 50}, None, 400, "top_logprobs",
+     "must be in"),
+    ("chat-max-completion-tokens-negative", "post", CHAT,
+     {"messages": USER, "max_completion_tokens": -3}, None, 400, "max_completion_tokens",
+     "must be in"),
+    ("chat-unknown-model", "post", CHAT, {"messages": USER, "model": "nope"}, None, 404,
+     "model", "does not exist"),
+    ("oversized-body", "post", CMPL, {"prompt": "x" * (BODY_LIMIT + 1)}, None, 413, "body",
+     "limit"),
+    ("unknown-lever", "post", "/v1/admin/levers", {"no_such_lever": 1}, None, 400,
+     "no_such_lever", "unknown lever"),
+    ("lever-out-of-range", "post", "/v1/admin/levers", {"max_batch_size": 0}, None, 400,
+     "max_batch_size", "must be in"),
+    ("lever-wrong-type", "post", "/v1/admin/levers", {"pipeline_enabled": "yes"}, None, 400,
+     "pipeline_enabled", "expected bool"),
+    ("detokenize-bad-tokens", "post", "/detokenize", {"tokens": ["a"]}, None, 400, "tokens",
+     "token ids"),
+    ("tokenize-missing-prompt", "post", "/tokenize", {}, None, 400, "prompt", "required"),
+    ("unknown-endpoint", "post", "/v1/nothing", {}, None, 404, None, "no such endpoint"),
+    ("wrong-method", "get", CMPL, None, None, 405, None, "not allowed"),
+    ("missing-api-key", "post", CMPL, OK, {}, 401, "Authorization", "Bearer"),
+    ("bad-api-key", "post", CMPL, OK, {"Authorization": "Bearer wrong"}, 401,
+     "Authorization", "Bearer"),
+    ("api-key-wrong-scheme", "get", "/v1/models", None, {"Authorization": f"Basic {KEY}"},
+     401, "Authorization", "Bearer"),
+]
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = AsyncLLM(MODEL, **ENGINE)
+    engine.start()
+    yield engine
+    engine.shutdown(timeout=30)
+
+
+@pytest.fixture
+async def client(llm, aiohttp_client):
+    app = create_app(llm, ServerConfig(api_key=KEY, max_body_bytes=BODY_LIMIT))
+    return await aiohttp_client(app)
+
+
+def test_the_table_is_large_enough():
+    assert len(CASES) >= 30 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+async def test_bad_input_gets_an_error_object_and_the_server_keeps_serving(client, case):
+    _, method, path, body, headers, status, param, words = case
+    kwargs = {"headers": AUTH if headers is None else headers}
+    if isinstance(body, bytes):
+        kwargs["data"] = body
+        kwargs["headers"] = {**kwargs["headers"], "Content-Type": "application/json"}
+    elif body is not None:
+        kwargs["json"] = body
+    resp = await getattr(client, method)(path, **kwargs)
+    data = await resp.json()
+    assert resp.status == status, data
+    error = data["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert words in error["message"], error
+    assert error["param"] == param, error
+    assert isinstance(error["type"], str) and error["type"]
+
+    ok = await client.post(CMPL, json={**OK, "temperature": 0.0}, headers=AUTH)
+    assert ok.status == 200, await ok.text()
+    assert (await ok.json())["usage"]["completion_tokens"] >= 1
