@@ -48,16 +48,17 @@ def bench_decode(cfg: ModelConfig, batch: int, context: int, steps: int,
     step_batch = jax.tree.map(jnp.asarray, build_step_batch(rows, shape, block_size))
     sampling = jax.tree.map(jnp.asarray, make_sampling_arrays([], batch, 0, 0))
     options = StepOptions(num_top=1)
+    future = jnp.zeros((batch + 1,), jnp.int32)
 
     t0 = time.perf_counter()
-    out, caches = runner(step_batch, sampling, None, caches, options)
+    out, caches, future = runner(step_batch, sampling, None, caches, future, options)
     np.asarray(out.sampled.tokens)
     compile_s = time.perf_counter() - t0
 
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        out, caches = runner(step_batch, sampling, None, caches, options)
+        out, caches, future = runner(step_batch, sampling, None, caches, future, options)
         np.asarray(out.sampled.tokens)  # the host reads every step's tokens, as serving does
         times.append(time.perf_counter() - t0)
     median = float(np.median(times))
