@@ -77,8 +77,9 @@ class BareStep:
                 for i in range(batch)]
         shape = runner.ladders.shape_for(batch, batch, 1, blocks)
         self.batch = batch
-        self.arrays = jax.device_put(build_step_batch(rows, shape, bs))
-        self.sampling = jax.device_put(make_sampling_arrays([], shape.rows, 0, 0))
+        # Host arrays, sent every step as the engine sends its own (one packed transfer).
+        self.arrays = build_step_batch(rows, shape, bs)
+        self.sampling = make_sampling_arrays([], shape.rows, 0, 0)
         self.options = StepOptions(num_top=self.engine.engine_config.max_logprobs)
         self.tokens_per_s(3)
 

@@ -123,12 +123,9 @@ class ModelRunner:
                 if len(r.targets):
                     flat[cursor:cursor + len(r.targets)] = r.targets
                 cursor += len(r.chunk.tokens)
-            targets = jnp.asarray(flat)
+            targets = flat
         options = StepOptions(num_top=self.engine.max_logprobs, penalties=penalties,
                               filters=needs_filters(samplings), prompt_logprobs=want_prompt)
-        # One transfer call for the whole input pytree: per-leaf jnp.asarray costs ~0.1 ms
-        # a leaf, milliseconds a tick at large batches.
-        batch, sampling = jax.device_put((batch, sampling))
         out, self.caches, self.future = self.step(batch, sampling, targets, self.caches,
                                                   self.future, options)
         for leaf in jax.tree.leaves(out):
@@ -181,7 +178,7 @@ class ModelRunner:
             empty = build_step_batch([], shape, self.engine.block_size)
             sampling = make_sampling_arrays([], shape.rows, 0, 0)
             out, self.caches, self.future = self.step(
-                *jax.device_put((empty, sampling)), None,
+                empty, sampling, None,
                 self.caches, self.future, StepOptions(num_top=self.engine.max_logprobs))
             jax.block_until_ready(out.sampled.tokens)
         return len(shapes)

@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
@@ -21,6 +22,7 @@ from metrale_jax.model.caches import DeviceCaches
 from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.runner.buckets import CompileCounter, StepShape
 from metrale_jax.runner.sampler import SampleResult, SamplingArrays, logprobs_of, sample
+from metrale_jax.runner.transfer import Layout, pack, unpack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +63,7 @@ class StepRunner:
         self.counter = counter or CompileCounter()
         self._jitted = jax.jit(
             functools.partial(_step, graphdef, treedef),
-            static_argnames=("options",), donate_argnames=("caches", "future"))
+            static_argnames=("layout", "options"), donate_argnames=("caches", "future"))
 
     @property
     def params(self) -> list[jax.Array]:
@@ -78,15 +80,17 @@ class StepRunner:
         self.counter.record((shape, options, sampling.history_ids.shape[1],
                              sampling.bias_ids.shape[1]))
         if targets is None:
-            targets = jnp.full((batch.num_tokens,), -1, jnp.int32) if options.prompt_logprobs \
-                else jnp.zeros((0,), jnp.int32)
-        return self._jitted(self._leaves, batch, sampling, targets, caches, future,
-                            options=options)
+            targets = np.full((batch.num_tokens,), -1, np.int32) if options.prompt_logprobs \
+                else np.zeros((0,), np.int32)
+        buffers, layout = pack((batch, sampling, targets))
+        return self._jitted(self._leaves, jax.device_put(buffers), caches, future,
+                            layout=layout, options=options)
 
 
-def _step(graphdef, treedef, leaves, batch: StepBatch, sampling: SamplingArrays,
-          targets: Int[Array, "T"], caches: DeviceCaches, future: Int[Array, "slots"], *,
-          options: StepOptions) -> tuple[StepOutput, DeviceCaches, Int[Array, "slots"]]:
+def _step(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: DeviceCaches,
+          future: Int[Array, "slots"], *, layout: Layout, options: StepOptions,
+          ) -> tuple[StepOutput, DeviceCaches, Int[Array, "slots"]]:
+    batch, sampling, targets = unpack(buffers, layout)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     # Tokens still on the device from the previous step arrive as -slot placeholders.
     ids = batch.token_ids
