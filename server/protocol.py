@@ -104,22 +104,21 @@ def get_float(body: dict, name: str, default: Any = None, lo: float | None = Non
     return float(v)
 
 
-def get_bool(body: dict, name: str, default: bool = False) -> bool:
+def _get_typed(body: dict, name: str, default: Any, kind: type, expected: str) -> Any:
     v = body.get(name)
     if v is None:
         return default
-    if not isinstance(v, bool):
-        raise bad(name, f"expected true or false, got {json.dumps(v)}")
+    if not isinstance(v, kind):
+        raise bad(name, f"expected {expected}, got {json.dumps(v)}")
     return v
+
+
+def get_bool(body: dict, name: str, default: bool = False) -> bool:
+    return _get_typed(body, name, default, bool, "true or false")
 
 
 def get_str(body: dict, name: str, default: Any = None) -> Any:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise bad(name, f"expected a string, got {json.dumps(v)}")
-    return v
+    return _get_typed(body, name, default, str, "a string")
 
 
 # ---- the parsed request ------------------------------------------------------------------

@@ -4,32 +4,23 @@ greedy continuation computed by full forwards."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from transformers import NemotronHConfig, NemotronHForCausalLM
 
 from metrale_jax import LLM, SamplingParams
-from metrale_jax.default_model import ASSET_DIR
+from tests.hf_models import save_tiny_nemotronh
 
 NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = NemotronHConfig(
-        vocab_size=4096, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=128, mamba_num_heads=8, mamba_head_dim=16, n_groups=2,
-        ssm_state_size=16, chunk_size=8, max_position_embeddings=256, initializer_range=0.1,
+    path = tmp_path_factory.mktemp("nemotronh")
+    model = save_tiny_nemotronh(
+        path, intermediate_size=128, mamba_num_heads=8, ssm_state_size=16,
+        max_position_embeddings=256,
         layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention",
                            "mlp"])
-    model = NemotronHForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("nemotronh")
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ASSET_DIR / name, path / name)
     return path, model
 
 

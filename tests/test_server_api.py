@@ -6,29 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 
 import pytest
 
-from metrale_jax.async_engine import AsyncLLM
 from metrale_jax.engine import LLM
 from metrale_jax.request import SamplingParams
 from server.app import create_app
 from server.state import ServerConfig
+from metrale_jax.async_engine import AsyncLLM
+from tests.server_fixtures import ENGINE, MODEL, running_engine
 
-MODEL = os.environ.get("METRALE_TEST_MODEL") or None  # default: the built-in model
-ENGINE = dict(max_batch_size=4, max_tokens_per_tick=32, max_seq_len=64, seq_buckets=(4,),
-              token_buckets=(16, 32), query_buckets=(1, 8, 32), block_size=8,
-              num_kv_blocks=40, block_buckets=(8,), max_logprobs=2)
 PROMPTS = ["To be, or not to be", "What light through yonder", "Now is the winter"]
 
 
 @pytest.fixture(scope="module")
 def llm():
-    engine = AsyncLLM(MODEL, **ENGINE)
-    engine.start()
-    yield engine
-    engine.shutdown(timeout=30)
+    yield from running_engine()
 
 
 @pytest.fixture

@@ -3,18 +3,13 @@ problem, and a valid request right after it succeeds (the server keeps serving).
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
-from metrale_jax.async_engine import AsyncLLM
 from server.app import create_app
 from server.state import ServerConfig
+from tests.server_fixtures import running_engine
 
-MODEL = os.environ.get("METRALE_TEST_MODEL") or None
-ENGINE = dict(max_batch_size=4, max_tokens_per_tick=32, max_seq_len=64, seq_buckets=(4,),
-              token_buckets=(16, 32), query_buckets=(1, 8, 32), block_size=8,
-              num_kv_blocks=40, block_buckets=(8,), max_logprobs=2)
 KEY = "k3y"
 BODY_LIMIT = 64 * 1024
 
@@ -127,10 +122,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def llm():
-    engine = AsyncLLM(MODEL, **ENGINE)
-    engine.start()
-    yield engine
-    engine.shutdown(timeout=30)
+    yield from running_engine()
 
 
 @pytest.fixture

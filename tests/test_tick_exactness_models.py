@@ -6,17 +6,14 @@ preempt — on the built-in hybrid and on a NemotronH hybrid loaded from a HF di
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from metrale_jax.default_model import ASSET_DIR
 from metrale_jax.engine import LLMEngine
 from metrale_jax.request import SamplingParams
+from tests.hf_models import save_tiny_nemotronh
 from tests.scheduler_harness import assert_accounted
 
 COMMON = dict(max_batch_size=4, max_tokens_per_tick=32, max_seq_len=64, seq_buckets=(4,),
@@ -26,16 +23,11 @@ COMMON = dict(max_batch_size=4, max_tokens_per_tick=32, max_seq_len=64, seq_buck
 
 @pytest.fixture(scope="module")
 def nemotron_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = NemotronHConfig(
-        vocab_size=2048, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=96, mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
-        ssm_state_size=8, chunk_size=8, max_position_embeddings=128, initializer_range=0.1,
-        layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"])
     path = tmp_path_factory.mktemp("nemotronh-tick")
-    NemotronHForCausalLM(cfg).eval().save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ASSET_DIR / name, path / name)
+    save_tiny_nemotronh(
+        path, vocab_size=2048, intermediate_size=96, mamba_num_heads=4, ssm_state_size=8,
+        max_position_embeddings=128,
+        layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"])
     return str(path)
 
 

@@ -24,6 +24,13 @@ def _heads_from_groups(t: Float[Array, "... G N"], num_heads: int) -> Float[Arra
     return jnp.repeat(t, num_heads // t.shape[-2], axis=-2)
 
 
+def _f32_per_head(x, dt, b, c, num_heads: int):
+    """x, dt in float32 and B, C broadcast from their groups to every head."""
+    f32 = jnp.float32
+    return (x.astype(f32), dt.astype(f32), _heads_from_groups(b.astype(f32), num_heads),
+            _heads_from_groups(c.astype(f32), num_heads))
+
+
 def ssd_chunk_scan(
     x: Float[Array, "S Q H P"],
     dt: Float[Array, "S Q H"],
@@ -40,9 +47,7 @@ def ssd_chunk_scan(
     chunk = min(chunk_size, q)
     pad = (-q) % chunk
     f32 = jnp.float32
-    x, dt = x.astype(f32), dt.astype(f32)
-    bh = _heads_from_groups(b.astype(f32), h)
-    ch = _heads_from_groups(c.astype(f32), h)
+    x, dt, bh, ch = _f32_per_head(x, dt, b, c, h)
     if pad:
         padding = lambda t: jnp.pad(t, [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2))
         x, dt, bh, ch = map(padding, (x, dt, bh, ch))
@@ -94,9 +99,7 @@ def ssm_decode_step(
     """One position of the recurrence: the decode path, addressed by state slot upstream."""
     h = ssd_dims(x, dt, a, b, c, state).heads
     f32 = jnp.float32
-    x, dt = x.astype(f32), dt.astype(f32)
-    bh = _heads_from_groups(b.astype(f32), h)
-    ch = _heads_from_groups(c.astype(f32), h)
+    x, dt, bh, ch = _f32_per_head(x, dt, b, c, h)
     decay = jnp.exp(dt * a.astype(f32))[:, :, None, None]
     new_state = state.astype(f32) * decay + (dt[:, :, None] * x)[..., None] * bh[:, :, None, :]
     y = jnp.einsum("shpn,shn->shp", new_state, ch)
