@@ -14,110 +14,18 @@ import argparse
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from benchmarks.common import write_result
+from metrale_jax.bench.overhead import CONTEXT, overhead
 from metrale_jax.engine import LLMEngine
 from metrale_jax.request import SamplingParams
-from metrale_jax.runner.buckets import StepShape
-from metrale_jax.runner.inputs import RowChunk, build_step_batch
-from metrale_jax.runner.sampler import make_sampling_arrays
-from metrale_jax.runner.step import StepOptions
 
-# Decoding from 520 to at most 900 tokens keeps one block-table bucket (64 blocks of 16):
-# no compilation inside the timed windows.
-CONTEXT = 520
 
 
 def _engine(batch: int, pipeline: bool, **kw) -> LLMEngine:
     return LLMEngine(None, max_batch_size=max(batch, 1), max_tokens_per_tick=1024,
                      max_seq_len=1024, block_size=16, num_kv_blocks=max(batch, 1) * 64 + 1,
                      enable_pipeline=pipeline, **kw)
-
-
-def _decoding_engine(batch: int) -> tuple[LLMEngine, list]:
-    """An engine with `batch` sequences all decoding at context CONTEXT."""
-    engine = _engine(batch, True)
-    params = SamplingParams(temperature=0.0, max_tokens=900 - CONTEXT, ignore_eos=True)
-    reqs = [engine.make_request({"prompt_token_ids": [5 + (i + j) % 3000 for j in
-                                                      range(CONTEXT)]}, params)
-            for i in range(batch)]
-    for r in reqs:
-        engine.submit(r)
-    while len(engine.core.active) < batch or engine.core.prefilling:
-        engine.step()
-    return engine, reqs
-
-
-def engine_decode_tps(engine: LLMEngine, reqs: list, pipeline: bool, ticks: int) -> float:
-    """Tokens/s over `ticks` ticks with the pipeline lever set (switching it compiles
-    nothing); the first ticks after the switch are not timed."""
-    engine.levers.set(pipeline_enabled=pipeline)
-    for _ in range(3):
-        engine.step()
-    count = lambda: sum(len(s.output_ids) for r in reqs for s in r.sequences)
-    start_tokens = count()
-    t0 = time.perf_counter()
-    for _ in range(ticks):
-        engine.step()
-    engine.core.settle()
-    elapsed = time.perf_counter() - t0
-    return (count() - start_tokens) / elapsed
-
-
-class BareStep:
-    """The jitted step alone at the engine's shapes, on its own caches."""
-
-    def __init__(self, batch: int):
-        self.engine = _engine(batch, False)
-        runner, bs = self.engine.runner, 16
-        blocks = -(-900 // bs)
-        rows = [RowChunk([7], CONTEXT, list(range(1 + i * blocks, 1 + (i + 1) * blocks)), i + 1)
-                for i in range(batch)]
-        shape = runner.ladders.shape_for(batch, batch, 1, blocks)
-        self.batch = batch
-        # Host arrays, sent every step as the engine sends its own (one packed transfer).
-        self.arrays = build_step_batch(rows, shape, bs)
-        self.sampling = make_sampling_arrays([], shape.rows, 0, 0)
-        self.options = StepOptions(num_top=self.engine.engine_config.max_logprobs)
-        self.tokens_per_s(3)
-
-    def tokens_per_s(self, steps: int) -> float:
-        # The bound the engine is held to: step N+1 is dispatched before step N's tokens are
-        # read, as the pipelined engine does, with no scheduling work in between.
-        runner = self.engine.runner
-        t0 = time.perf_counter()
-        previous = None
-        for _ in range(steps):
-            out, runner.caches, runner.future = runner.step(
-                self.arrays, self.sampling, None, runner.caches, runner.future, self.options)
-            if previous is not None:
-                np.asarray(previous.sampled.tokens)
-            previous = out
-        np.asarray(previous.sampled.tokens)
-        return self.batch * steps / (time.perf_counter() - t0)
-
-
-def overhead(batch: int, ticks: int, rounds: int) -> dict:
-    """Bare step, engine with the pipeline on, engine with it off, interleaved `rounds`
-    times so the machine's noise hits all three alike; medians."""
-    bare = BareStep(batch)
-    engine, reqs = _decoding_engine(batch)
-    runs: dict[str, list[float]] = {"bare": [], "on": [], "off": []}
-    for _ in range(rounds):
-        runs["bare"].append(bare.tokens_per_s(ticks))
-        runs["on"].append(engine_decode_tps(engine, reqs, True, ticks))
-        runs["off"].append(engine_decode_tps(engine, reqs, False, ticks))
-    med = {k: float(np.median(v)) for k, v in runs.items()}
-    engine.close()
-    bare.engine.close()
-    return {"batch": batch, "bare_step_tokens_per_s": round(med["bare"], 1),
-            "engine_tokens_per_s_pipeline_on": round(med["on"], 1),
-            "engine_tokens_per_s_pipeline_off": round(med["off"], 1),
-            "ratio_pipeline_on": round(med["on"] / med["bare"], 3),
-            "ratio_pipeline_off": round(med["off"] / med["bare"], 3),
-            "rounds": rounds, "ticks_per_round": ticks}
 
 
 def ttft(prefix_len: int) -> dict:
@@ -191,7 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for batch in args.batches:
-        row = overhead(batch, args.ticks, args.rounds)
+        row = overhead(None, batch, args.ticks, args.rounds)
         print(row, flush=True)
         rows.append(row)
     prefix = [ttft(n) for n in (256, 896)]

@@ -51,11 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     from server.serve import add_parser as add_serve_parser  # light: no jax, no aiohttp
     add_serve_parser(sub)
+    from metrale_jax.bench.cli import add_parser as add_bench_parser  # light: no jax
+    add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what benchmark records quote as their command
     return args.func(args)
 
 

@@ -134,6 +134,10 @@ class EngineConfig:
     # Empty tuples mean "powers of two up to the limit".
     token_buckets: tuple[int, ...] = ()
     seq_buckets: tuple[int, ...] = ()
+    # Rows of a step that carries prefill chunks (empty: seq_buckets). Decode steps are cheap
+    # to compile and padding their rows costs every token, so they get a fine ladder; prefill
+    # steps are dominated by their tokens and can share a coarse one, keeping warm-up short.
+    prefill_seq_buckets: tuple[int, ...] = ()
     query_buckets: tuple[int, ...] = ()
     block_buckets: tuple[int, ...] = ()  # block-table widths; the last must cover max_seq_len
     max_logprobs: int = 20  # top-n logprobs computed on the device for every row
@@ -168,6 +172,7 @@ class EngineConfig:
                  f"must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         for name, limit in (("token_buckets", self.max_tokens_per_tick),
                             ("seq_buckets", self.max_batch_size),
+                            ("prefill_seq_buckets", self.max_batch_size),
                             ("query_buckets", min(self.max_tokens_per_tick, self.max_seq_len))):
             ladder = getattr(self, name)
             _require(not ladder or ladder[-1] >= limit, name,
@@ -175,7 +180,8 @@ class EngineConfig:
         if self.block_buckets:
             _require(self.block_buckets[-1] >= self.max_blocks_per_seq, "block_buckets",
                      f"the largest must cover max_seq_len ({self.max_blocks_per_seq} blocks)")
-        for name in ("token_buckets", "seq_buckets", "query_buckets", "block_buckets"):
+        for name in ("token_buckets", "seq_buckets", "prefill_seq_buckets", "query_buckets",
+                     "block_buckets"):
             ladder = getattr(self, name)
             _require(list(ladder) == sorted(set(ladder)) and all(b > 0 for b in ladder), name,
                      "must be strictly increasing positive sizes")

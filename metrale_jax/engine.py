@@ -79,15 +79,16 @@ class LLMEngine:
 
     def _levers(self) -> Levers:
         e = self.engine_config
+        widest = self.runner.ladders.query[-1]  # no chunk outgrows max_seq_len or the budget
         values = LeverValues(
             max_tokens_per_tick=e.max_tokens_per_tick, max_batch_size=e.max_batch_size,
             admit_watermark=e.admit_watermark,
-            prefill_chunk_size=min(e.prefill_chunk_size, e.max_tokens_per_tick),
+            prefill_chunk_size=min(e.prefill_chunk_size, widest),
             swap_enabled=e.enable_swap, pipeline_enabled=e.enable_pipeline,
             prefix_cache_enabled=e.enable_prefix_cache)
         limits = {"max_tokens_per_tick": e.max_tokens_per_tick,
                   "max_batch_size": e.max_batch_size,
-                  "prefill_chunk_size": self.runner.ladders.query[-1]}
+                  "prefill_chunk_size": widest}
         return Levers(values, limits)
 
     def _check_capacity(self) -> None:

@@ -143,10 +143,13 @@ async def _stream_completion(state, gen: Generation, fold: Fold, deltas, sse: SS
             continue
         choice.started = True
         finish, stop_reason = finish_fields(choice, ()) if delta.finish_reason else (None, None)
-        await sse.send({"id": gen.request_id, "object": "text_completion", "created": created,
-                        "model": state.model_name,
-                        "choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
-                                     "finish_reason": finish, "stop_reason": stop_reason}]})
+        body = {"id": gen.request_id, "object": "text_completion", "created": created,
+                "model": state.model_name,
+                "choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
+                             "finish_reason": finish, "stop_reason": stop_reason}]}
+        if p.continuous_usage:
+            body["usage"] = fold.usage()
+        await sse.send(body)
     if p.include_usage:
         await sse.send({"id": gen.request_id, "object": "text_completion", "created": created,
                         "model": state.model_name, "choices": [], "usage": fold.usage()})
@@ -204,10 +207,13 @@ async def _stream_chat(state, gen: Generation, fold: Fold, deltas, sse: SSEStrea
     p, created = gen.parsed, now()
 
     def chunk(index: int, delta: dict, logprobs=None, finish=None, stop_reason=None) -> dict:
-        return {"id": gen.request_id, "object": "chat.completion.chunk", "created": created,
+        body = {"id": gen.request_id, "object": "chat.completion.chunk", "created": created,
                 "model": state.model_name,
                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                              "finish_reason": finish, "stop_reason": stop_reason}]}
+        if p.continuous_usage:
+            body["usage"] = fold.usage()
+        return body
 
     async for prompt, delta in deltas:
         choice = fold.apply(prompt, delta)

@@ -134,6 +134,9 @@ class ParsedRequest:
     top_logprobs: int | None   # chat: top entries per position (None: no logprobs)
     end_of_turn_ids: tuple[int, ...] = ()
     default_max_tokens: int | None = None  # used when the body names no max_tokens
+    # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far, so
+    # a client can count the tokens of a chunk that holds several (MTP, held-back text).
+    continuous_usage: bool = False
 
     def params_for(self, prompt_len: int, limits: "Limits") -> SamplingParams:
         """The sampling parameters for one prompt, its length checked against the context."""
@@ -166,15 +169,20 @@ def check_model(body: dict, limits: Limits) -> None:
                        code="model_not_found")
 
 
-def _stream_options(body: dict, stream: bool) -> bool:
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats)."""
     opts = body.get("stream_options")
     if opts is None:
-        return False
+        return False, False
     if not isinstance(opts, dict):
         raise bad("stream_options", "expected an object")
     if not stream:
         raise bad("stream_options", "is only allowed when stream is true")
-    return get_bool(opts, "include_usage", False)
+    include = get_bool(opts, "include_usage", False)
+    continuous = get_bool(opts, "continuous_usage_stats", False)
+    if continuous and not include:
+        raise bad("stream_options", "continuous_usage_stats needs include_usage: true")
+    return include, continuous
 
 
 def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
@@ -299,9 +307,11 @@ def parse_completion(body: dict, limits: Limits) -> ParsedRequest:
     params = sampling_params(body, limits, max_tokens=_max_tokens(body, "max_tokens"),
                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     get_str(body, "user")
-    return ParsedRequest(prompts, params, stream, _stream_options(body, stream), echo,
+    include_usage, continuous = _stream_options(body, stream)
+    return ParsedRequest(prompts, params, stream, include_usage, echo,
                          get_int(body, "priority", 0), None,
-                         default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS)
+                         default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
+                         continuous_usage=continuous)
 
 
 def _message_text(message: dict, i: int) -> str:
@@ -359,8 +369,9 @@ def parse_chat(body: dict, limits: Limits) -> tuple[ParsedRequest, list[dict], d
         raise bad("chat_template_kwargs", "expected an object")
     options = {"add_generation_prompt": get_bool(body, "add_generation_prompt", True),
                **template_kwargs}
-    parsed = ParsedRequest([], params, stream, _stream_options(body, stream), False,
-                           get_int(body, "priority", 0), logprobs)
+    include_usage, continuous = _stream_options(body, stream)
+    parsed = ParsedRequest([], params, stream, include_usage, False,
+                           get_int(body, "priority", 0), logprobs, continuous_usage=continuous)
     return parsed, messages, options
 
 

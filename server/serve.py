@@ -66,7 +66,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--ladders", choices=("sparse", "pow2"), default="sparse",
                    help="default bucket ladders: a few sizes (fast warm-up) or powers of two")
-    for name in ("token", "seq", "query", "block"):
+    for name in ("token", "seq", "prefill-seq", "query", "block"):
         e.add_argument(f"--{name}-buckets", type=_ladder, default=None,
                        help="comma-separated bucket sizes (overrides --ladders)")
     p.set_defaults(func=main)
@@ -88,14 +88,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   enable_prefix_cache=not args.no_prefix_cache,
                   enable_pipeline=not args.no_pipeline, enable_swap=not args.no_swap,
                   seed=args.seed)
-    if args.ladders == "sparse":  # two or three sizes per axis: ~16 compiled shapes
+    if args.ladders == "sparse":
+        # Decode rows in powers of two (padding a decode step's rows costs every token; its
+        # shapes compile fast); a few sizes elsewhere: ~38 compiled shapes at the defaults.
+        batch = args.max_batch_size
         kwargs.update(
-            token_buckets=_sparse(min(64, budget), budget),
-            seq_buckets=_sparse(min(8, args.max_batch_size), args.max_batch_size),
+            token_buckets=_sparse(min(64, budget), min(128, budget), min(256, budget), budget),
+            seq_buckets=_sparse(*(1 << i for i in range(batch.bit_length())), batch),
+            prefill_seq_buckets=_sparse(min(8, batch), batch),
             query_buckets=_sparse(1, min(32, budget, args.max_seq_len),
+                                  min(128, budget, args.max_seq_len),
                                   min(budget, args.max_seq_len)),
             block_buckets=_sparse(min(32, blocks_per_seq), blocks_per_seq))
-    for name in ("token", "seq", "query", "block"):
+    for name in ("token", "seq", "prefill_seq", "query", "block"):
         ladder = getattr(args, f"{name}_buckets")
         if ladder is not None:
             kwargs[f"{name}_buckets"] = ladder

@@ -16,3 +16,21 @@ def test_generate_streams_greedy_text(capsys):
 def test_generate_reports_bad_input(capsys):
     assert main(["generate", "--max-tokens", "0", "hello"]) == 2
     assert "max_tokens" in capsys.readouterr().err
+
+
+def test_serve_ladders_pad_decode_rows_finely_and_prefill_rows_coarsely():
+    from metrale_jax.cli import build_parser
+    from metrale_jax.config import EngineConfig
+    from metrale_jax.runner.buckets import BucketLadders
+    from server.serve import engine_kwargs
+
+    kwargs = engine_kwargs(build_parser().parse_args(["serve", "--max-batch-size", "48"]))
+    ladders = BucketLadders.from_config(EngineConfig(**kwargs))
+    assert ladders.rows == (1, 2, 4, 8, 16, 32, 48) and ladders.prefill_rows == (8, 48)
+    # 17 decoding sequences pad to 32 rows, not to the whole batch ...
+    assert ladders.shape_for(17, 17, 1, 4).rows == 32
+    # ... while a step that carries a prefill chunk uses the coarse ladder.
+    mixed = ladders.shape_for(17 + 100, 18, 100, 4)
+    assert (mixed.rows, mixed.query_len, mixed.tokens) == (48, 128, 128)
+    over = engine_kwargs(build_parser().parse_args(["serve", "--prefill-seq-buckets", "4,64"]))
+    assert over["prefill_seq_buckets"] == (4, 64)

@@ -82,6 +82,28 @@ async def test_streamed_text_equals_non_streamed_for_a_seed(client):
     assert again["choices"][0]["text"] == whole["choices"][0]["text"]
 
 
+async def test_continuous_usage_counts_tokens_chunk_by_chunk(client):
+    body = {"prompt": [5, 9, 41, 7], "max_tokens": 9, "temperature": 0.0, "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    for path, extra in (("/v1/completions", {}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                "content": "Hi"}]})):
+        payload = {**body, **extra}
+        if extra:
+            del payload["prompt"]
+        events = await sse_events(await client.post(path, json=payload))
+        counts = [e["usage"]["completion_tokens"] for e in events]
+        assert counts == sorted(counts) and counts[-1] == 9
+        assert events[-1]["choices"] == []
+        assert all(e["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"]
+                   for e in events)
+    bad = await client.post("/v1/completions", json={
+        **body, "stream_options": {"continuous_usage_stats": True}})
+    assert bad.status == 400
+    assert "include_usage" in (await bad.json())["error"]["message"]
+
+
 async def test_n_logprobs_and_prompt_token_ids(client):
     data = await post(client, "/v1/completions", {
         "prompt": [[5, 9, 41, 7]], "n": 3, "temperature": 1.0, "seed": 7, "logprobs": 2,

@@ -36,3 +36,13 @@ def load(name_or_dir: str | None) -> LoadedModel:
 
     model, config = load_model(path)
     return LoadedModel(model, config, Tokenizer.from_dir(path), path.name)
+
+
+def load_tokenizer(name_or_dir: str | None) -> Tokenizer:
+    """The tokenizer of a `--model` argument, without loading the weights."""
+    if name_or_dir in DEFAULT_NAMES:
+        return Tokenizer.from_dir(ASSET_DIR)
+    path = pathlib.Path(name_or_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer: {name_or_dir!r} is not a checkpoint directory")
+    return Tokenizer.from_dir(path)

@@ -18,6 +18,7 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.layers import GatedRMSNorm, dtype_of, linear
 from pallas_kernels.backend import XLA, KernelOps
+from pallas_kernels.scatter import set_rows
 
 SSMState = tuple[Float[Array, "slots K1 conv_dim"], Float[Array, "slots H P N"]]
 
@@ -102,6 +103,6 @@ class Mamba2Mixer(nnx.Module):
         y = batch.to_flat(y.reshape(s, q, inner).astype(x.dtype))
         out = self.out_proj(self.norm(y, z))
 
-        conv_pool = conv_pool.at[slots].set(conv_tail.astype(conv_pool.dtype))
-        ssm_pool = ssm_pool.at[slots].set(new_ssm.astype(ssm_pool.dtype))
+        conv_pool = set_rows(conv_pool, slots, conv_tail)
+        ssm_pool = set_rows(ssm_pool, slots, new_ssm)
         return out, (conv_pool, ssm_pool)

@@ -41,16 +41,22 @@ def _fit(ladder: tuple[int, ...], n: int, what: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class BucketLadders:
     tokens: tuple[int, ...]
-    rows: tuple[int, ...]
+    rows: tuple[int, ...]          # rows of a pure decode step
     query: tuple[int, ...]
     blocks: tuple[int, ...]
+    prefill_rows: tuple[int, ...] = ()  # rows of a step with prefill chunks (empty: rows)
+
+    def __post_init__(self):
+        if not self.prefill_rows:
+            object.__setattr__(self, "prefill_rows", self.rows)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "BucketLadders":
         budget = cfg.max_tokens_per_tick
+        rows = cfg.seq_buckets or _powers_of_two(cfg.max_batch_size)
         return cls(
             tokens=cfg.token_buckets or _powers_of_two(budget, start=8 if budget >= 8 else 1),
-            rows=cfg.seq_buckets or _powers_of_two(cfg.max_batch_size),
+            rows=rows, prefill_rows=cfg.prefill_seq_buckets or rows,
             query=cfg.query_buckets or _powers_of_two(min(budget, cfg.max_seq_len), start=1),
             blocks=cfg.block_buckets or _powers_of_two(
                 cfg.max_blocks_per_seq, start=4 if cfg.max_blocks_per_seq >= 4 else 1),
@@ -59,7 +65,7 @@ class BucketLadders:
     def shape_for(self, num_tokens: int, num_rows: int, widest_chunk: int, most_blocks: int,
                   ) -> StepShape:
         q = _fit(self.query, widest_chunk, "query length")
-        rows = _fit(self.rows, num_rows, "rows")
+        rows = _fit(self.rows if q == 1 else self.prefill_rows, num_rows, "rows")
         # A pure decode step has one token per row; otherwise pad the flat tokens separately.
         # Flat tokens never fewer than the query bucket or the rows, so warm-up can enumerate
         # exactly the shapes that occur.

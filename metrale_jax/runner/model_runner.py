@@ -190,7 +190,7 @@ class ModelRunner:
             if q == 1:
                 continue
             for t in lad.tokens:
-                for s in lad.rows:
+                for s in lad.prefill_rows:
                     if t >= q and t >= s:
                         shapes.extend(StepShape(t, s, q, b) for b in lad.blocks)
         return shapes

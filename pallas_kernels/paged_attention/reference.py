@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.paged_attention.common import MASKED, attention_dims, kv_write_dims
+from pallas_kernels.scatter import set_rows
 
 
 def write_kv_pages(
@@ -28,8 +29,8 @@ def write_kv_pages(
     Padding tokens map into the null block 0, which no valid query ever reads.
     """
     _, nb, bs, kvh, hd = kv_write_dims(k_pages, v_pages, k, v, slot_mapping)
-    k_flat = k_pages.reshape(nb * bs, kvh, hd).at[slot_mapping].set(k.astype(k_pages.dtype))
-    v_flat = v_pages.reshape(nb * bs, kvh, hd).at[slot_mapping].set(v.astype(v_pages.dtype))
+    k_flat = set_rows(k_pages.reshape(nb * bs, kvh, hd), slot_mapping, k)
+    v_flat = set_rows(v_pages.reshape(nb * bs, kvh, hd), slot_mapping, v)
     return k_flat.reshape(nb, bs, kvh, hd), v_flat.reshape(nb, bs, kvh, hd)
 
 
