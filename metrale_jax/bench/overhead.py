@@ -80,10 +80,13 @@ class BareStep:
         self.engine = make_engine(model, batch, False)
         runner = self.engine.runner
         context, end = span(self.engine)
-        blocks = -(-end // BLOCK)
-        rows = [RowChunk([7], context, list(range(1 + i * blocks, 1 + (i + 1) * blocks)), i + 1)
+        # Each row owns the blocks its context fills, as the engine's sequences do; the table
+        # is padded to the bucket that covers `end` with the null block, as the engine's is
+        # (gathering real blocks costs more than gathering the null block again).
+        owned, bucket = -(-(context + 1) // BLOCK), -(-end // BLOCK)
+        rows = [RowChunk([7], context, list(range(1 + i * owned, 1 + (i + 1) * owned)), i + 1)
                 for i in range(batch)]
-        shape = runner.ladders.shape_for(batch, batch, 1, blocks)
+        shape = runner.ladders.shape_for(batch, batch, 1, bucket)
         self.batch, self.context = batch, context
         # Host arrays, sent every step as the engine sends its own (one packed transfer).
         self.arrays = build_step_batch(rows, shape, BLOCK)
