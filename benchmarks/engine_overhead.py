@@ -16,20 +16,12 @@ import time
 import jax
 
 from benchmarks.common import write_result
-from metrale_jax.bench.overhead import CONTEXT, overhead
-from metrale_jax.engine import LLMEngine
+from metrale_jax.bench.overhead import CONTEXT, make_engine, overhead
 from metrale_jax.request import SamplingParams
 
 
-
-def _engine(batch: int, pipeline: bool, **kw) -> LLMEngine:
-    return LLMEngine(None, max_batch_size=max(batch, 1), max_tokens_per_tick=1024,
-                     max_seq_len=1024, block_size=16, num_kv_blocks=max(batch, 1) * 64 + 1,
-                     enable_pipeline=pipeline, **kw)
-
-
 def ttft(prefix_len: int) -> dict:
-    engine = _engine(4, True)
+    engine = make_engine(None, 4, True)
     shared = list(range(3, 3 + prefix_len))
     params = SamplingParams(temperature=0.0, max_tokens=1)
 
@@ -52,7 +44,7 @@ def ttft(prefix_len: int) -> dict:
 
 
 def spill_vs_recompute(length: int) -> dict:
-    engine = _engine(2, False)
+    engine = make_engine(None, 2, False)
     core = engine.core
     req = engine.make_request({"prompt_token_ids": list(range(7, 7 + length))},
                               SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))

@@ -32,12 +32,14 @@ def span(engine) -> tuple[int, int]:
     return int(CONTEXT * scale), int(END * scale)
 
 
-def make_engine(model: str | None, batch: int, pipeline: bool):
+def make_engine(model: str | None, batch: int, pipeline: bool, **overrides):
+    """An engine with room for `batch` sequences of SEQ tokens each."""
     from metrale_jax.engine import LLMEngine
 
     return LLMEngine(model, max_batch_size=max(batch, 1), max_tokens_per_tick=SEQ,
                      max_seq_len=SEQ, block_size=BLOCK,
-                     num_kv_blocks=max(batch, 1) * SEQ // BLOCK + 1, enable_pipeline=pipeline)
+                     num_kv_blocks=max(batch, 1) * SEQ // BLOCK + 1, enable_pipeline=pipeline,
+                     **overrides)
 
 
 def decoding_engine(model: str | None, batch: int) -> tuple[object, list]:
