@@ -43,7 +43,7 @@ class Case:
 def _attention(rng, s, q, h, kvh, d, ctx, bs, dtype, tilings) -> Case:
     mb = -(-ctx // bs)
     nb = 1 + s * mb
-    pages = lambda: jnp.asarray(rng.normal(size=(nb, bs, kvh, d)), dtype)
+    pages = lambda: jnp.asarray(rng.normal(size=(nb, kvh, bs, d)), dtype)
     tables = jnp.asarray(rng.permutation(np.arange(1, nb)).reshape(s, mb), jnp.int32)
     pos = jnp.asarray(np.broadcast_to(np.arange(ctx - q, ctx), (s, q)), jnp.int32)
     args = (jnp.asarray(rng.normal(size=(s, q, h, d)), dtype), pages(), pages(), tables,
@@ -60,7 +60,7 @@ def _attention(rng, s, q, h, kvh, d, ctx, bs, dtype, tilings) -> Case:
 
 
 def _write(rng, t, kvh, d, nb, bs, dtype) -> Case:
-    pages = lambda: jnp.asarray(rng.normal(size=(nb, bs, kvh, d)), dtype)
+    pages = lambda: jnp.asarray(rng.normal(size=(nb, kvh, bs, d)), dtype)
     kv = lambda: jnp.asarray(rng.normal(size=(t, kvh, d)), dtype)
     slots = jnp.asarray(rng.permutation(np.arange(bs, nb * bs))[:t], jnp.int32)
     return Case("write_kv_pages", f"T={t} kvh={kvh} D={d}", (pages(), pages(), kv(), kv(), slots),

@@ -10,7 +10,7 @@ def _generate(args: argparse.Namespace) -> int:
     from metrale_jax import LLM, SamplingParams
     from metrale_jax.request import RequestError
 
-    llm = LLM(args.model, max_seq_len=args.max_seq_len)
+    llm = LLM(args.model, max_seq_len=args.max_seq_len, dtype=args.dtype)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--max-seq-len", type=int, default=2048)
+    gen.add_argument("--dtype", default="auto",
+                     help="weights and activations: auto (as stored), float32, bfloat16")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--echo", action="store_true", help="print the prompt first")
     gen.set_defaults(func=_generate)

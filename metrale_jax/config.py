@@ -17,6 +17,8 @@ BLOCK_KINDS = {"A": "attention", "M": "mamba", "F": "mlp"}
 MLP_KINDS = ("gated_silu", "relu2")
 ROPE_SCALINGS = ("none", "linear", "llama3")
 KERNEL_BACKENDS = ("auto", "pallas", "xla")
+DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", *DTYPES)
 
 
 class ConfigError(ValueError):
@@ -92,7 +94,7 @@ class ModelConfig:
         _require(self.num_mtp_modules >= 0, "num_mtp_modules", "must be >= 0")
         _require("M" not in self.mtp_pattern, "mtp_pattern",
                  "MTP blocks may hold attention and MLP blocks only")
-        _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype",
+        _require(self.dtype in DTYPES, "dtype",
                  f"unsupported dtype {self.dtype!r}")
 
     @property
@@ -151,6 +153,9 @@ class EngineConfig:
     policy: str = "fcfs"               # admission policy: fcfs | priority
     num_ssm_snapshots: int = 16        # SSM snapshot slots for prefix reuse on hybrids
     kernel_backend: str = "auto"
+    # The KV pool's dtype, apart from the weights': "auto" is float32 on the CPU (XLA:CPU has
+    # no fast bf16 path for the attention mat-vecs) and the model's dtype elsewhere.
+    kv_cache_dtype: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -168,6 +173,8 @@ class EngineConfig:
         _require(self.policy in ("fcfs", "priority"), "policy",
                  f"must be fcfs or priority, got {self.policy!r}")
         _require(self.num_ssm_snapshots >= 0, "num_ssm_snapshots", "must be >= 0")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _require(self.kernel_backend in KERNEL_BACKENDS, "kernel_backend",
                  f"must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         for name, limit in (("token_buckets", self.max_tokens_per_tick),

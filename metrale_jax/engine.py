@@ -42,8 +42,9 @@ class _NullSink:
 class LLMEngine:
     def __init__(self, model: str | None = None, *, engine_config: EngineConfig | None = None,
                  clock: Clock | None = None, sink: OutputSink | None = None,
-                 check_every_tick: bool = False, spill_backend=None, **engine_overrides):
-        loaded = load(model)
+                 check_every_tick: bool = False, spill_backend=None, dtype: str | None = None,
+                 **engine_overrides):
+        loaded = load(model, dtype)
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

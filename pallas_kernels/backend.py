@@ -41,7 +41,7 @@ class KernelOps:
         return "pallas-interpret" if self.interpret else "pallas"
 
     def write_kv_pages(self, k_pages, v_pages, k, v, slot_mapping):
-        if not self._kernel_fits(k_pages.shape[2] * k_pages.shape[3]):
+        if not self._kernel_fits(k_pages.shape[1] * k_pages.shape[3]):
             return attn_reference.write_kv_pages(k_pages, v_pages, k, v, slot_mapping)
         return attn_kernel.write_kv_pages(k_pages, v_pages, k, v, slot_mapping,
                                           interpret=self.interpret)
@@ -50,7 +50,7 @@ class KernelOps:
                         scale: float, soft_cap: float | None = None,
                         sliding_window: int | None = None):
         args = (q, k_pages, v_pages, block_tables, context_lens, q_positions)
-        block_size = k_pages.shape[1]
+        block_size = k_pages.shape[2]
         odd_pages = not self.interpret and block_size & (block_size - 1)
         if not self._kernel_fits(q.shape[-1]) or odd_pages:
             return attn_reference.paged_attention(*args, scale=scale, soft_cap=soft_cap,

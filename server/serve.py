@@ -16,6 +16,8 @@ import logging
 import os
 import pathlib
 
+from metrale_jax.config import KV_CACHE_DTYPES
+
 API_KEY_ENV = "METRALE_API_KEY"
 DEFAULT_CACHE = pathlib.Path.home() / ".cache" / "metrale_jax" / "xla"
 logger = logging.getLogger("metrale.server")
@@ -59,6 +61,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--prefill-chunk-size", type=int, default=256)
     e.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs")
     e.add_argument("--kernel-backend", choices=("auto", "pallas", "xla"), default="auto")
+    e.add_argument("--dtype", default="auto",
+                   help="weights and activations: auto (as stored), float32, bfloat16, float16")
+    e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the KV pool: auto is float32 on the CPU, the model's dtype elsewhere")
     e.add_argument("--spill-dir", default=None)
     e.add_argument("--no-prefix-cache", action="store_true")
     e.add_argument("--no-pipeline", action="store_true")
@@ -87,7 +93,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   kernel_backend=args.kernel_backend, spill_dir=args.spill_dir,
                   enable_prefix_cache=not args.no_prefix_cache,
                   enable_pipeline=not args.no_pipeline, enable_swap=not args.no_swap,
-                  seed=args.seed)
+                  seed=args.seed, kv_cache_dtype=args.kv_cache_dtype)
     if args.ladders == "sparse":
         # Decode rows in powers of two (padding a decode step's rows costs every token; its
         # shapes compile fast); a few sizes elsewhere: ~38 compiled shapes at the defaults.
@@ -99,7 +105,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             query_buckets=_sparse(1, min(32, budget, args.max_seq_len),
                                   min(128, budget, args.max_seq_len),
                                   min(budget, args.max_seq_len)),
-            block_buckets=_sparse(min(32, blocks_per_seq), blocks_per_seq))
+            # One block-table width: attention walks only the blocks the batch's longest
+            # context fills, so a wider table costs nothing but a few bytes of transfer.
+            block_buckets=(blocks_per_seq,))
     for name in ("token", "seq", "prefill_seq", "query", "block"):
         ladder = getattr(args, f"{name}_buckets")
         if ladder is not None:
@@ -143,7 +151,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> int:
     from server.openai_routes import STATE
     from server.state import ServerConfig
 
-    llm = AsyncLLM(args.model, **engine_kwargs(args))
+    llm = AsyncLLM(args.model, dtype=args.dtype, **engine_kwargs(args))
     config = ServerConfig(served_model_names=tuple(args.served_model_name or ()),
                           api_key=api_key, max_waiting=args.max_waiting,
                           max_body_bytes=args.max_body_bytes)

@@ -34,8 +34,8 @@ def _case(rng, rows: list[tuple[int, int]], heads: int, kv_heads: int, q_bucket:
     """rows: (context_len after this step, query count) per sequence; (0, 0) is padding."""
     s = len(rows)
     num_blocks = 1 + s * MB
-    k_pages = jnp.asarray(rng.normal(size=(num_blocks, BS, kv_heads, D)), jnp.float32)
-    v_pages = jnp.asarray(rng.normal(size=(num_blocks, BS, kv_heads, D)), jnp.float32)
+    k_pages = jnp.asarray(rng.normal(size=(num_blocks, kv_heads, BS, D)), jnp.float32)
+    v_pages = jnp.asarray(rng.normal(size=(num_blocks, kv_heads, BS, D)), jnp.float32)
     tables = rng.permutation(np.arange(1, num_blocks)).reshape(s, MB).astype(np.int32)
     positions = np.zeros((s, q_bucket), np.int32)  # padding cells hold 0, as the engine does
     valid = np.zeros((s, q_bucket), bool)
@@ -94,8 +94,8 @@ def test_sliding_window_and_soft_cap(rng, interpret):
 @pytest.mark.parametrize("interpret", MODES)
 def test_write_kv_pages(rng, interpret):
     num_blocks, kv_heads, t = 6, 2, 9
-    k_pages = jnp.asarray(rng.normal(size=(num_blocks, BS, kv_heads, D)), jnp.float32)
-    v_pages = jnp.asarray(rng.normal(size=(num_blocks, BS, kv_heads, D)), jnp.float32)
+    k_pages = jnp.asarray(rng.normal(size=(num_blocks, kv_heads, BS, D)), jnp.float32)
+    v_pages = jnp.asarray(rng.normal(size=(num_blocks, kv_heads, BS, D)), jnp.float32)
     slots = rng.permutation(np.arange(BS, num_blocks * BS))[:t].astype(np.int32)
     slots[-2:] = 0  # padding tokens go to the null block
     k = jnp.asarray(rng.normal(size=(t, kv_heads, D)), jnp.float32)

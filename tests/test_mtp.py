@@ -41,7 +41,7 @@ def draft():
 
 
 def _caches():
-    return allocate_caches(TINY_HYBRID, 32, 4, 4)
+    return allocate_caches(TINY_HYBRID, 32, 4, 4, with_mtp=True)
 
 
 def test_mtp_chunked_equals_whole(draft):

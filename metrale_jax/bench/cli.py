@@ -163,6 +163,15 @@ def _roofline(args) -> int:
                           **result})
 
 
+def _step(args) -> int:
+    from metrale_jax.bench.step import step_benchmark
+
+    result = step_benchmark(args.model, args.batch, args.context, args.steps,
+                            tuple(args.scaling_contexts), dtype=args.dtype)
+    return _finish(args, {"benchmark": "decode step vs dense ceiling and bandwidth floor",
+                          "model": args.model or "built-in default", **result})
+
+
 def _compare(args) -> int:
     from metrale_jax.bench.compare import CompareSpec, run_compare
     from metrale_jax.bench.plots import plot_compare
@@ -263,6 +272,18 @@ def add_parser(sub) -> None:
     p.add_argument("--buffer-mb", type=int, default=512)
     _output_arg(p)
     p.set_defaults(func=_roofline)
+
+    p = cmds.add_parser("step", help="the engine's decode step against the dense head-major "
+                                     "ceiling and the read-bandwidth floor; context scaling")
+    _model_arg(p)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument("--scaling-contexts", type=int, nargs="*", default=[128, 256, 512, 896])
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                   help="weights and activations (default: the checkpoint's)")
+    _output_arg(p)
+    p.set_defaults(func=_step)
 
     p = cmds.add_parser("compare", help="ours vs transformers and llama.cpp, same weights, "
                                         "same run; JSON and PNG plots to benchmarks/results")

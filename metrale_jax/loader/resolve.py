@@ -8,6 +8,7 @@ import pathlib
 from metrale_jax.config import ModelConfig
 from metrale_jax.default_model import ASSET_DIR
 from metrale_jax.default_model import model as default_model
+from metrale_jax.loader.dtype import resolve_dtype, with_dtype
 from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.tokenizer import Tokenizer
 
@@ -22,7 +23,17 @@ class LoadedModel:
     name: str
 
 
-def load(name_or_dir: str | None) -> LoadedModel:
+def load(name_or_dir: str | None, dtype: str | None = None) -> LoadedModel:
+    """The model named by `--model`, recast to `dtype` when one is given (None: as stored)."""
+    loaded = _load(name_or_dir)
+    dtype = resolve_dtype(dtype)
+    if dtype is not None and dtype != loaded.config.dtype:
+        loaded.model = with_dtype(loaded.model, dtype)
+        loaded.config = loaded.model.cfg
+    return loaded
+
+
+def _load(name_or_dir: str | None) -> LoadedModel:
     if name_or_dir in DEFAULT_NAMES:
         return LoadedModel(default_model.load_trained(), default_model.CONFIG,
                            Tokenizer.from_dir(ASSET_DIR), default_model.NAME)

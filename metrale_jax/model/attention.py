@@ -11,8 +11,8 @@ from metrale_jax.model.layers import RMSNorm, linear
 from metrale_jax.model.rope import apply_rope, inverse_frequencies
 from pallas_kernels.backend import XLA, KernelOps
 
-KVPages = tuple[Float[Array, "blocks block_size kv_heads head_dim"],
-                Float[Array, "blocks block_size kv_heads head_dim"]]
+KVPages = tuple[Float[Array, "blocks kv_heads block_size head_dim"],
+                Float[Array, "blocks kv_heads block_size head_dim"]]
 
 
 class Attention(nnx.Module):

@@ -18,8 +18,8 @@ from metrale_jax.config import EngineConfig, ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DeviceCaches:
-    # One (k, v) pair per attention block, main model first, then the MTP modules':
-    # each [num_blocks, block_size, kv_heads, head_dim].
+    # One (k, v) pair per attention block, main model first, then the MTP modules' (only
+    # while speculative decoding runs): each [num_blocks, kv_heads, block_size, head_dim].
     kv: tuple[tuple[jax.Array, jax.Array], ...]
     conv: tuple[jax.Array, ...]  # per Mamba2 block: [num_slots, conv_kernel - 1, conv_dim]
     ssm: tuple[jax.Array, ...]   # per Mamba2 block: [num_slots, heads, head_dim, d_state] f32
@@ -33,20 +33,23 @@ class DeviceCaches:
         return self.conv[0].shape[0] if self.conv else 0
 
 
-def num_kv_layers(cfg: ModelConfig) -> int:
-    return len(cfg.attention_layers) + cfg.num_mtp_attention_layers
+def num_kv_layers(cfg: ModelConfig, with_mtp: bool = False) -> int:
+    """KV layers in the pool: the main model's, plus the MTP modules' when they run."""
+    return len(cfg.attention_layers) + (cfg.num_mtp_attention_layers if with_mtp else 0)
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
-    per_layer = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
-    return per_layer * num_kv_layers(cfg)
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: str,
+                       with_mtp: bool = False) -> int:
+    per_layer = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(kv_dtype).itemsize
+    return per_layer * num_kv_layers(cfg, with_mtp)
 
 
-def num_kv_blocks(cfg: ModelConfig, engine: EngineConfig) -> int:
+def num_kv_blocks(cfg: ModelConfig, engine: EngineConfig, with_mtp: bool = False) -> int:
     """Blocks in the pool, the null block included: explicit, or what the budget holds."""
     if engine.num_kv_blocks is not None:
         return engine.num_kv_blocks
-    per_block = kv_bytes_per_block(cfg, engine.block_size)
+    per_block = kv_bytes_per_block(cfg, engine.block_size, kv_cache_dtype(cfg, engine),
+                                   with_mtp)
     if per_block == 0:  # a pure SSM model has no KV pool, only the null block
         return 1
     blocks = engine.kv_memory_bytes // per_block
@@ -57,11 +60,22 @@ def num_kv_blocks(cfg: ModelConfig, engine: EngineConfig) -> int:
     return int(blocks)
 
 
+def kv_cache_dtype(cfg: ModelConfig, engine: EngineConfig) -> str:
+    """The KV pool's dtype: explicit, or the model's dtype on accelerators and float32 on the
+    CPU, where XLA has no fast path for bf16 K/V in the attention mat-vecs (measured 4-5x
+    slower than f32, while bf16 weight matmuls are the faster ones)."""
+    if engine.kv_cache_dtype != "auto":
+        return engine.kv_cache_dtype
+    return "float32" if jax.default_backend() == "cpu" else cfg.dtype
+
+
 def allocate_caches(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
-                    ) -> DeviceCaches:
+                    kv_dtype: str | None = None, with_mtp: bool = False) -> DeviceCaches:
     dt = jnp.dtype(cfg.dtype)
-    page = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    kv = tuple((jnp.zeros(page, dt), jnp.zeros(page, dt)) for _ in range(num_kv_layers(cfg)))
+    kv_dt = jnp.dtype(kv_dtype or cfg.dtype)
+    page = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+    kv = tuple((jnp.zeros(page, kv_dt), jnp.zeros(page, kv_dt))
+               for _ in range(num_kv_layers(cfg, with_mtp)))
     n_mamba = len(cfg.mamba_layers)
     conv = tuple(jnp.zeros((num_slots, cfg.conv_kernel - 1, cfg.conv_dim), dt)
                  for _ in range(n_mamba))

@@ -1,7 +1,8 @@
 """Shape buckets: the one owner of padded step shapes and of the compiled-variant count.
 
 A step is compiled once per `StepShape` (and per static sampling mode). Ladders are powers of
-two up to the engine's limits unless the config names them. Warm-up compiles the shapes in
+two up to the engine's limits unless the config names them; the block-table width is one
+bucket (`max_blocks_per_seq`) unless named, since attention stops at the longest context. Warm-up compiles the shapes in
 `warmup_shapes()`; `CompileCounter` counts every new compiled variant so tests and telemetry
 can see a compilation in the middle of serving.
 """
@@ -58,8 +59,8 @@ class BucketLadders:
             tokens=cfg.token_buckets or _powers_of_two(budget, start=8 if budget >= 8 else 1),
             rows=rows, prefill_rows=cfg.prefill_seq_buckets or rows,
             query=cfg.query_buckets or _powers_of_two(min(budget, cfg.max_seq_len), start=1),
-            blocks=cfg.block_buckets or _powers_of_two(
-                cfg.max_blocks_per_seq, start=4 if cfg.max_blocks_per_seq >= 4 else 1),
+            # One width by default: attention's cost follows the real context, not the width.
+            blocks=cfg.block_buckets or (cfg.max_blocks_per_seq,),
         )
 
     def shape_for(self, num_tokens: int, num_rows: int, widest_chunk: int, most_blocks: int,

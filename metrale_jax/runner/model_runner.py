@@ -15,10 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from metrale_jax.config import EngineConfig
-from metrale_jax.model.caches import DeviceCaches, allocate_caches, num_kv_blocks
+from metrale_jax.model.caches import (DeviceCaches, allocate_caches, kv_cache_dtype,
+                                      num_kv_blocks)
 from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.runner.buckets import BucketLadders, CompileCounter, StepShape
 from metrale_jax.runner.inputs import RowChunk, build_step_batch
+from metrale_jax.runner.progress import WarmupProgress
 from metrale_jax.runner.sampler import (RowSampling, make_sampling_arrays, needs_filters,
                                         needs_penalties)
 from metrale_jax.runner.step import StepOptions, StepRunner
@@ -81,7 +83,7 @@ class ModelRunner:
         device = jax.devices()[0]
         self.caches = jax.device_put(allocate_caches(
             model.cfg, self.num_blocks, engine.block_size,
-            self.num_slots if self.has_ssm else 1), device)
+            self.num_slots if self.has_ssm else 1, kv_cache_dtype(model.cfg, engine)), device)
         self.future = jax.device_put(jnp.zeros((self.num_slots,), jnp.int32), device)
         self._copy_slots = jax.jit(_copy_slots, donate_argnums=(0,))
 
@@ -170,17 +172,20 @@ class ModelRunner:
             cursor += n
         return results
 
-    def warmup(self, shapes: Sequence[StepShape] | None = None) -> int:
+    def warmup(self, shapes: Sequence[StepShape] | None = None, *, progress: bool = True,
+               ) -> int:
         """Compile the step for `shapes` (default: every bucket combination) with a batch of
-        padding only; returns how many shapes were compiled."""
+        padding only, showing progress; returns how many shapes were compiled."""
         shapes = list(shapes) if shapes is not None else self.warmup_shapes()
-        for shape in shapes:
-            empty = build_step_batch([], shape, self.engine.block_size)
-            sampling = make_sampling_arrays([], shape.rows, 0, 0)
-            out, self.caches, self.future = self.step(
-                empty, sampling, None,
-                self.caches, self.future, StepOptions(num_top=self.engine.max_logprobs))
-            jax.block_until_ready(out.sampled.tokens)
+        with WarmupProgress(len(shapes), enabled=progress) as bar:
+            for shape in shapes:
+                empty = build_step_batch([], shape, self.engine.block_size)
+                sampling = make_sampling_arrays([], shape.rows, 0, 0)
+                out, self.caches, self.future = self.step(
+                    empty, sampling, None,
+                    self.caches, self.future, StepOptions(num_top=self.engine.max_logprobs))
+                jax.block_until_ready(out.sampled.tokens)
+                bar.advance()
         return len(shapes)
 
     def warmup_shapes(self) -> list[StepShape]:

@@ -33,6 +33,8 @@ class StepOptions:
     penalties: bool = False        # some row uses repetition/presence/frequency penalties
     filters: bool = False          # some row uses top-k/top-p/min-p
     prompt_logprobs: bool = False  # score every token of the batch against `targets`
+    # Return each row's last hidden state (MTP drafting reads it); off, nothing is copied back.
+    return_hidden: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -49,7 +51,7 @@ class PromptScores:
 class StepOutput:
     sampled: SampleResult                # one token per row, with raw logprobs and top-n
     ranks: Int[Array, "S"]               # rank of each sampled token in the raw distribution
-    hidden: Float[Array, "S D"]          # final-normed hidden state of each row's last token
+    hidden: Float[Array, "S D"] | None   # final-normed state of each row's last token, or None
     prompt: PromptScores | None          # only when StepOptions.prompt_logprobs
 
 
@@ -110,8 +112,8 @@ def _step(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: Devi
                                    vocab_size=vocab)
         prompt = PromptScores(lp, _ranks(all_logits, targets), ids, top)
     future = future.at[batch.ssm_slots].set(sampled.tokens)
-    return StepOutput(sampled=sampled, ranks=_ranks(logits, sampled.tokens), hidden=last,
-                      prompt=prompt), caches, future
+    return StepOutput(sampled=sampled, ranks=_ranks(logits, sampled.tokens),
+                      hidden=last if options.return_hidden else None, prompt=prompt), caches, future
 
 
 def _ranks(logits: Float[Array, "N V"], chosen: Int[Array, "N"]) -> Int[Array, "N"]:

@@ -9,7 +9,7 @@ Both directions are one jitted call each. The block count is padded to a power o
 number of compiled variants stays bounded (a handful per cache layout): gather pads with the
 null block 0 and slices the padding off on the host; scatter pads with an out-of-range block
 id and `mode="drop"`, so padding writes nowhere, not even into the null block.
-Array names: `kv{i}_k`, `kv{i}_v` ([n_blocks, block_size, kv_heads, head_dim]) per KV layer,
+Array names: `kv{i}_k`, `kv{i}_v` ([n_blocks, kv_heads, block_size, head_dim]) per KV layer,
 `conv{i}` ([K-1, conv_dim]) and `ssm{i}` ([H, P, N] float32) per Mamba2 layer.
 """
 

@@ -59,7 +59,7 @@ def forward_losses(model: HybridLM, batch: StepBatch, tokens: jax.Array, geom: G
     tokens [B*L] (main first), for acceptance statistics."""
     cfg, L = model.cfg, geom.seq_len
     caches = allocate_caches(cfg, 1 + geom.batch_size * geom.blocks_per_row, geom.block_size,
-                             geom.batch_size + 1)
+                             geom.batch_size + 1, with_mtp=True)
     flat = lambda a: a.reshape(-1)  # noqa: E731
     batch = dataclasses.replace(batch, token_ids=flat(tokens[:, :L]))
     hidden, caches = model(batch, caches)

@@ -1,4 +1,8 @@
-"""Shape checks shared by the paged-attention kernel and its reference, so they cannot drift."""
+"""Shape checks shared by the paged-attention kernel and its reference, so they cannot drift.
+
+K/V pages are head-major, `[num_blocks, kv_heads, block_size, head_dim]`: one KV head's keys
+of a block are contiguous, so attention reads a page as a ready `[block_size, head_dim]` tile.
+"""
 
 from __future__ import annotations
 
@@ -32,12 +36,12 @@ def attention_dims(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                    block_tables: jax.Array, context_lens: jax.Array,
                    q_positions: jax.Array) -> AttentionDims:
     require(q.ndim == 4, f"q: expected [S, Q, heads, head_dim], got shape {q.shape}")
-    require(k_pages.ndim == 4, "k_pages: expected [blocks, block_size, kv_heads, head_dim], "
+    require(k_pages.ndim == 4, "k_pages: expected [blocks, kv_heads, block_size, head_dim], "
             f"got shape {k_pages.shape}")
     require(v_pages.shape == k_pages.shape,
             f"v_pages: shape {v_pages.shape} differs from k_pages {k_pages.shape}")
     s, nq, h, d = q.shape
-    nb, bs, kvh, kd = k_pages.shape
+    nb, kvh, bs, kd = k_pages.shape
     require(kd == d, f"k_pages: head_dim {kd} differs from q's {d}")
     require(h % kvh == 0, f"q: {h} heads are not a multiple of the {kvh} kv heads")
     require(block_tables.ndim == 2 and block_tables.shape[0] == s,
@@ -52,9 +56,9 @@ def attention_dims(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 def kv_write_dims(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
                   slot_mapping: jax.Array) -> tuple[int, int, int, int, int]:
     require(k_pages.ndim == 4 and v_pages.shape == k_pages.shape,
-            f"k_pages/v_pages: expected equal [blocks, block_size, kv_heads, head_dim], got "
+            f"k_pages/v_pages: expected equal [blocks, kv_heads, block_size, head_dim], got "
             f"{k_pages.shape} and {v_pages.shape}")
-    nb, bs, kvh, d = k_pages.shape
+    nb, kvh, bs, d = k_pages.shape
     t = slot_mapping.shape[0]
     require(slot_mapping.ndim == 1, f"slot_mapping: expected [T], got {slot_mapping.shape}")
     for name, x in (("k", k), ("v", v)):

@@ -71,8 +71,8 @@ def _attention_kernel(q_ref, pos_ref, bt_ref, len_ref, k_ref, v_ref, o_ref, *, s
     "num_stages", "interpret"))
 def paged_attention(
     q: Float[Array, "S Q heads head_dim"],
-    k_pages: Float[Array, "blocks block_size kv_heads head_dim"],
-    v_pages: Float[Array, "blocks block_size kv_heads head_dim"],
+    k_pages: Float[Array, "blocks kv_heads block_size head_dim"],
+    v_pages: Float[Array, "blocks kv_heads block_size head_dim"],
     block_tables: Int[Array, "S max_blocks"],
     context_lens: Int[Array, "S"],
     q_positions: Int[Array, "S Q"],
@@ -115,7 +115,7 @@ def paged_attention(
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, mb - dims.max_blocks)))
     lens = context_lens.astype(jnp.int32).reshape(s, 1)
     rows = block_q * g
-    pool = (dims.num_blocks, dims.block_size, None, d)
+    pool = (dims.num_blocks, None, dims.block_size, d)
 
     out = pl.pallas_call(
         functools.partial(_attention_kernel, scale=scale, soft_cap=soft_cap,
@@ -126,8 +126,8 @@ def paged_attention(
             pl.BlockSpec((None, rows), lambda i, h, j: (i, j)),
             pl.BlockSpec((None, mb), lambda i, h, j: (i, 0)),
             pl.BlockSpec((None, 1), lambda i, h, j: (i, 0)),
-            pl.BlockSpec(pool, lambda i, h, j: (0, 0, h, 0)),
-            pl.BlockSpec(pool, lambda i, h, j: (0, 0, h, 0)),
+            pl.BlockSpec(pool, lambda i, h, j: (0, h, 0, 0)),
+            pl.BlockSpec(pool, lambda i, h, j: (0, h, 0, 0)),
         ],
         out_specs=pl.BlockSpec((None, None, rows, d), lambda i, h, j: (i, h, j, 0)),
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
@@ -142,24 +142,24 @@ def paged_attention(
 def _write_kernel(slot_ref, k_ref, v_ref, _k_in, _v_in, k_out, v_out):
     # One token per program: its [kv_heads, D] K and V go to flat slot (page, offset).
     slot = slot_ref[pl.program_id(0)]
-    block_size = k_out.shape[1]
+    block_size = k_out.shape[2]
     page, offset = slot // block_size, slot % block_size
-    k_out[page, offset] = k_ref[...].astype(k_out.dtype)
-    v_out[page, offset] = v_ref[...].astype(v_out.dtype)
+    k_out[page, :, offset] = k_ref[...].astype(k_out.dtype)
+    v_out[page, :, offset] = v_ref[...].astype(v_out.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("num_warps", "interpret"))
 def write_kv_pages(
-    k_pages: Float[Array, "blocks block_size kv_heads head_dim"],
-    v_pages: Float[Array, "blocks block_size kv_heads head_dim"],
+    k_pages: Float[Array, "blocks kv_heads block_size head_dim"],
+    v_pages: Float[Array, "blocks kv_heads block_size head_dim"],
     k: Float[Array, "T kv_heads head_dim"],
     v: Float[Array, "T kv_heads head_dim"],
     slot_mapping: Int[Array, "T"],
     *,
     num_warps: int = 1,
     interpret: bool = False,
-) -> tuple[Float[Array, "blocks block_size kv_heads head_dim"],
-           Float[Array, "blocks block_size kv_heads head_dim"]]:
+) -> tuple[Float[Array, "blocks kv_heads block_size head_dim"],
+           Float[Array, "blocks kv_heads block_size head_dim"]]:
     """Same contract as `reference.write_kv_pages`; in place when the caller donates the pages.
 
     Padding tokens all target the null block's slot 0; their racing writes are harmless
