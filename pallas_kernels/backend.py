@@ -3,7 +3,9 @@
 * "xla": the jnp references (what XLA compiles on any platform).
 * "pallas": the Pallas kernels; compiled (Triton) on a GPU, interpreted elsewhere, which is
   slow and only meant for tests.
-* "auto": the kernels on a GPU, the references everywhere else.
+* "auto": the Pallas kernels on a GPU; on the CPU, paged attention through the C++ custom
+  call (`pallas_kernels/cpu`, compiled on first use; the reference if that fails) and the
+  references for the rest; the references elsewhere.
 
 `KernelOps` is a frozen, hashable value: the model keeps it as a static attribute, so the
 choice is part of the compiled program and never a traced branch.
@@ -14,8 +16,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels._pallas import next_pow2
+from pallas_kernels.cpu import build as cpu_build, paged_attention as cpu_attention
 from pallas_kernels.mtp import kernel as mtp_kernel, reference as mtp_reference
 from pallas_kernels.paged_attention import kernel as attn_kernel, reference as attn_reference
 from pallas_kernels.ssm_scan import kernel as ssd_kernel, reference as ssd_reference
@@ -27,6 +31,9 @@ BACKENDS = ("auto", "pallas", "xla")
 class KernelOps:
     use_pallas: bool = False
     interpret: bool = False  # only meaningful with use_pallas
+    # Paged attention through the C++ custom call on XLA:CPU (pallas_kernels/cpu), for
+    # float32 pages; everything else stays on the references.
+    cpu_kernels: bool = False
 
     def _kernel_fits(self, *sizes: int) -> bool:
         # Compiled Triton tiles are powers of two >= 16; a model whose head sizes are not
@@ -37,7 +44,7 @@ class KernelOps:
     @property
     def name(self) -> str:
         if not self.use_pallas:
-            return "xla"
+            return "cpu" if self.cpu_kernels else "xla"
         return "pallas-interpret" if self.interpret else "pallas"
 
     def write_kv_pages(self, k_pages, v_pages, k, v, slot_mapping):
@@ -50,6 +57,9 @@ class KernelOps:
                         scale: float, soft_cap: float | None = None,
                         sliding_window: int | None = None):
         args = (q, k_pages, v_pages, block_tables, context_lens, q_positions)
+        if self.cpu_kernels and k_pages.dtype == jnp.float32:
+            return cpu_attention.paged_attention(*args, scale=scale, soft_cap=soft_cap,
+                                                 sliding_window=sliding_window)
         block_size = k_pages.shape[2]
         odd_pages = not self.interpret and block_size & (block_size - 1)
         if not self._kernel_fits(q.shape[-1]) or odd_pages:
@@ -85,13 +95,17 @@ class KernelOps:
 
 
 XLA = KernelOps()
+CPU = KernelOps(cpu_kernels=True)
 
 
 def resolve(kernel_backend: str, platform: str | None = None) -> KernelOps:
     """The op set for `kernel_backend` on `platform` (default: JAX's default backend)."""
     if kernel_backend not in BACKENDS:
         raise ValueError(f"kernel_backend: must be one of {BACKENDS}, got {kernel_backend!r}")
-    on_gpu = (platform or jax.default_backend()) == "gpu"
+    platform = platform or jax.default_backend()
+    on_gpu = platform == "gpu"
+    if kernel_backend == "auto" and platform == "cpu":
+        return CPU if cpu_build.load() is not None else XLA
     if kernel_backend == "xla" or (kernel_backend == "auto" and not on_gpu):
         return XLA
     return KernelOps(use_pallas=True, interpret=not on_gpu)

@@ -1,0 +1,1 @@
+"""CPU kernels as XLA custom calls (C++ compiled on first use), beside the jnp references."""
