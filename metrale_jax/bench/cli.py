@@ -172,6 +172,14 @@ def _step(args) -> int:
                           "model": args.model or "built-in default", **result})
 
 
+def _startup(args) -> int:
+    from metrale_jax.bench.startup import startup
+
+    result = startup(args.model, args.serve_args, args.cached_runs)
+    return _finish(args, {"benchmark": "metrale serve start-up (exec to /health 200)",
+                          "model": args.model or "built-in default", **result})
+
+
 def _compare(args) -> int:
     from metrale_jax.bench.compare import CompareSpec, run_compare
     from metrale_jax.bench.plots import plot_compare
@@ -284,6 +292,14 @@ def add_parser(sub) -> None:
                    help="weights and activations (default: the checkpoint's)")
     _output_arg(p)
     p.set_defaults(func=_step)
+
+    p = cmds.add_parser("startup", help="metrale serve: cold start (empty compilation "
+                                        "cache) and cached start, exec to /health 200")
+    _model_arg(p)
+    p.add_argument("--cached-runs", type=int, default=2)
+    p.add_argument("serve_args", nargs="*", help="more `metrale serve` options (after --)")
+    _output_arg(p)
+    p.set_defaults(func=_startup)
 
     p = cmds.add_parser("compare", help="ours vs transformers and llama.cpp, same weights, "
                                         "same run; JSON and PNG plots to benchmarks/results")

@@ -37,7 +37,9 @@ def _median_step_s(run, steps: int) -> float:
 class EngineStep:
     """The engine's own jitted step on its own caches, at one (batch, context, width)."""
 
-    def __init__(self, engine, batch: int, context: int, table_blocks: int):
+    def __init__(self, engine, batch: int, context: int, table_blocks: int | None = None):
+        """`table_blocks`: the block-table width (default: the engine's own bucket)."""
+        from metrale_jax.runner.buckets import StepShape
         from metrale_jax.runner.inputs import RowChunk, build_step_batch
         from metrale_jax.runner.sampler import make_sampling_arrays
         from metrale_jax.runner.step import StepOptions
@@ -47,7 +49,8 @@ class EngineStep:
         owned = -(-(context + 1) // bs)
         rows = [RowChunk([7], context, list(range(1 + i * owned, 1 + (i + 1) * owned)), i + 1)
                 for i in range(batch)]
-        shape = self.runner.ladders.shape_for(batch, batch, 1, max(table_blocks, owned))
+        shape = (self.runner.ladders.shape_for(batch, batch, 1, owned) if table_blocks is None
+                 else StepShape(batch, batch, 1, max(table_blocks, owned)))
         self.shape = shape
         self.arrays = build_step_batch(rows, shape, bs)
         self.sampling = make_sampling_arrays([], shape.rows, 0, 0)
@@ -154,7 +157,7 @@ def step_benchmark(model: str | None, batch: int, context: int, steps: int,
         cfg = engine.model_config
         widest = engine.engine_config.max_blocks_per_seq
         dense = DenseStep(load(model, dtype).model, engine.engine_config, batch, context)
-        ours = EngineStep(engine, batch, context, 0)
+        ours = EngineStep(engine, batch, context)
         runs = {"engine": [], "dense": []}
         for _ in range(ROUNDS):
             runs["engine"].append(_median_step_s(ours, steps))
@@ -166,6 +169,7 @@ def step_benchmark(model: str | None, batch: int, context: int, steps: int,
         scaling = []
         for ctx in scaling_contexts:
             exact, wide = EngineStep(engine, batch, ctx, 0), EngineStep(engine, batch, ctx, widest)
+            # exact: the blocks the context fills; widest: max_seq_len's (as the engine pads)
             t_exact = float(np.median([_median_step_s(exact, steps) for _ in range(2)]))
             t_wide = float(np.median([_median_step_s(wide, steps) for _ in range(2)]))
             scaling.append({"context": ctx, "exact_table_blocks": exact.shape.max_blocks,
