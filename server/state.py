@@ -37,11 +37,10 @@ class EngineDead(Exception):
 class ServerState:
     def __init__(self, llm: AsyncLLM, config: ServerConfig, status: str = "ok"):
         self.llm, self.config, self.status = llm, config, status
-        names = config.served_model_names or (llm.engine.model_name,)
-        e = llm.engine
-        self.limits = Limits(model_names=tuple(names), max_seq_len=e.engine_config.max_seq_len,
-                             max_logprobs=e.engine_config.max_logprobs,
-                             vocab_size=e.model_config.vocab_size)
+        engine = llm.limits
+        names = config.served_model_names or (engine.model_name,)
+        self.limits = Limits(model_names=tuple(names), max_seq_len=engine.max_seq_len,
+                             max_logprobs=engine.max_logprobs, vocab_size=engine.vocab_size)
         self.model_name = names[0]
         self.metrics = ServerMetrics(llm, self.model_name)
         self.inflight_seqs = 0
@@ -78,7 +77,7 @@ class ServerState:
 
     def admit(self, num_seqs: int) -> None:
         """The waiting cap: sequences beyond the running batch, at most max_waiting."""
-        cap = self.llm.engine.levers.get().max_batch_size + self.config.max_waiting
+        cap = self.llm.levers.get().max_batch_size + self.config.max_waiting
         if self.inflight_seqs + num_seqs > cap:
             raise APIError(429, f"too many requests waiting: {self.inflight_seqs} sequences "
                                 f"in flight, the cap is {cap}; retry later",
