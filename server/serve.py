@@ -170,7 +170,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> int:
     await stop.wait()
     state.status = "draining" if state.status == "ok" else state.status
     logger.info("shutting down: %d requests in flight, accepting no new ones",
-                state.inflight_requests)
+                state.open_requests)
     try:
         await asyncio.wait_for(state.idle.wait(), args.drain_timeout)
     except asyncio.TimeoutError:
