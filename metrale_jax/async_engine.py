@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Hashable
 
 from metrale_jax.engine import LLMEngine, PromptInput
 from metrale_jax.outputs import StreamDelta
-from metrale_jax.request import Request, SamplingParams
+from metrale_jax.request import Request, RequestError, SamplingParams
 from metrale_jax.scheduler.levers import Levers
 from metrale_jax.scheduler.snapshot import SchedulerSnapshot
 from metrale_jax.sequence import Sequence, decode_logprobs
@@ -145,6 +145,8 @@ class AsyncLLM:
         Raises RequestError (bad input) or RuntimeError (shutting down)."""
         request = self.engine.make_request(prompt, params, priority=priority,
                                            request_id=request_id)
+        if request.request_id in self._sink.targets:  # never re-point a live request's queue
+            raise RequestError(f"request_id: {request.request_id!r} is already in flight")
         self._sink.targets[request.request_id] = _Target(asyncio.get_running_loop(), queue,
                                                          key)
         try:
