@@ -259,6 +259,9 @@ class SchedulerCore:
         # before the request is.
         if all(s.status is Status.FINISHED for s in request.sequences):
             del self.requests[request.request_id]
+            # Published before the caller hears of it: a client that saw its request finish
+            # reads counts that no longer hold it.
+            self.publish_snapshot()
             self.sink.on_finished(request)
 
     def fail_sequence(self, seq: Sequence, message: str) -> None:
@@ -316,7 +319,7 @@ class SchedulerCore:
     # ---- views --------------------------------------------------------------------------
 
     def publish_snapshot(self, new: list[Sequence] = ()) -> None:
-        """Phase 4 (and an idle loop): what other threads read."""
+        """Phase 4, a finished request and an idle loop: what other threads read."""
         self.tel.publish(phases.build_snapshot(
             active=self.active, prefilling=self.prefilling, num_parked=self.parking.parked,
             new=new, pending=self.pending, memory=self.memory, num_requests=len(self.requests),
