@@ -52,13 +52,15 @@ def spill_vs_recompute(length: int) -> dict:
     while not core.active:
         engine.step()
     seq = req.sequences[0]
-    from metrale_jax.scheduler import swap
 
     timings = []
     for _ in range(3):
         t0 = time.perf_counter()
-        assert swap.swap_out(core, seq)
-        assert swap.swap_in(core, seq)
+        assert core.parking.swap_out(seq)
+        core.active.remove(seq)
+        resumed = core.parking.resume(first_chunk=length)
+        assert resumed.decoding == [seq]
+        core.active.extend(resumed.decoding)
         jax.block_until_ready(engine.runner.caches)
         timings.append(time.perf_counter() - t0)
     spill_s = min(timings)

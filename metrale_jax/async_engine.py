@@ -1,13 +1,20 @@
-"""AsyncLLM: the streaming API the server uses.
+"""AsyncLLM: the streaming API, and the one door the server goes through.
 
 1. `generate()` validates and tokenizes on the caller's event loop, submits a `Request`
-   to the inbox, and returns an async iterator of `StreamDelta`s.
-2. The tick loop runs on its own thread (JAX releases the GIL while the device works); when
-   idle it blocks on the inbox instead of spinning.
+   to the inbox, and returns an async iterator of `StreamDelta`s read from one asyncio
+   queue per request.
+2. The tick loop runs on its own thread (`LLMEngine.run`; JAX releases the GIL while the
+   device works); when idle it publishes a fresh snapshot and blocks on the inbox.
 3. After each processed step the loop's sink pushes each changed sequence's delta onto its
-   request's asyncio queue with `loop.call_soon_threadsafe`.
-4. A consumer that stops iterating (a client that went away) aborts its request: the abort
+   request's queue with `loop.call_soon_threadsafe`; `submit(..., queue=, key=)` lets a
+   caller share one queue between several requests (the server: one per HTTP request).
+4. Logprob entries arrive as token ids; their text is decoded here, on the event loop, not
+   on the engine thread.
+5. A consumer that stops iterating (a client that went away) aborts its request: the abort
    travels through the inbox and its blocks come back within a tick.
+
+Besides streams, the server reads everything through this class: tokenizing, the chat
+template, limits, the published snapshot, telemetry and the levers.
 """
 
 from __future__ import annotations
@@ -15,38 +22,43 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 
 from metrale_jax.engine import LLMEngine, PromptInput
-from metrale_jax.outputs import PositionLogprobs
-from metrale_jax.request import SamplingParams
-from metrale_jax.scheduler.state import Request
-from metrale_jax.sequence import Sequence
+from metrale_jax.outputs import StreamDelta
+from metrale_jax.request import Request, RequestError, SamplingParams
+from metrale_jax.scheduler.levers import Levers
+from metrale_jax.scheduler.snapshot import SchedulerSnapshot
+from metrale_jax.sequence import Sequence, decode_logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    """What request validation needs to know about the engine."""
+
+    model_name: str
+    max_seq_len: int
+    max_logprobs: int
+    vocab_size: int
+    max_batch_size: int
 
 
 @dataclasses.dataclass
-class StreamDelta:
-    request_id: str
-    index: int
-    text: str                        # new text since the previous delta
-    token_ids: list[int]             # new tokens since the previous delta
-    logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-    prompt_token_ids: list[int] | None = None   # on the first delta of each sequence
-    prompt_logprobs: list | None = None
+class _Target:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    key: Hashable | None        # None: the queue is the request's own; else (key, delta)
 
 
 class _QueueSink:
     """Runs on the engine thread; hands deltas to the owning event loop."""
 
     def __init__(self) -> None:
-        self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.targets: dict[str, _Target] = {}
         self._sent: dict[tuple[str, int], int] = {}  # tokens already delivered per sequence
 
     def on_update(self, request: Request, seq: Sequence) -> None:
-        target = self.queues.get(request.request_id)
+        target = self.targets.get(request.request_id)
         if target is None:
             return
         key = (seq.request_id, seq.index)
@@ -63,14 +75,18 @@ class _QueueSink:
             prompt_logprobs=seq.prompt_logprobs if first and seq.index == 0 else None)
         if seq.finished:
             self._sent.pop(key, None)
-        loop, queue = target
-        loop.call_soon_threadsafe(queue.put_nowait, delta)
+        self._put(target, delta)
 
     def on_finished(self, request: Request) -> None:
-        target = self.queues.pop(request.request_id, None)
+        target = self.targets.pop(request.request_id, None)
         if target is not None:
-            loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, None)
+            self._put(target, None)
+
+    @staticmethod
+    def _put(target: _Target, item) -> None:
+        if target.key is not None:
+            item = (target.key, item)
+        target.loop.call_soon_threadsafe(target.queue.put_nowait, item)
 
 
 class AsyncLLM:
@@ -79,51 +95,121 @@ class AsyncLLM:
         self.engine = LLMEngine(model, sink=self._sink, **kwargs)
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        e = self.engine
+        self.limits = EngineLimits(
+            model_name=e.model_name, max_seq_len=e.engine_config.max_seq_len,
+            max_logprobs=e.engine_config.max_logprobs, vocab_size=e.model_config.vocab_size,
+            max_batch_size=e.engine_config.max_batch_size)
 
-    @property
-    def core(self):
-        return self.engine.core
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def warmup(self) -> int:
+        """Compile every step shape (before `start`; blocking)."""
+        return self.engine.runner.warmup()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="metrale-engine", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        core = self.engine.core
         try:
-            while core.tick():
-                if core.is_idle:
-                    core.absorb(core.inbox.recv(wait=True, timeout=0.5))
+            self.engine.run(wait=0.5)
         except BaseException as exc:  # surfaced to callers (the server turns unhealthy)
             self.error = exc
             raise
 
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop accepting; the loop finishes what it holds, then exits."""
+        self.engine.close_inbox()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.engine.close()
+
+    # ---- requests ---------------------------------------------------------------------------
+
     async def generate(self, prompt: PromptInput, params: SamplingParams, *,
                        request_id: str | None = None, priority: int = 0,
                        ) -> AsyncIterator[StreamDelta]:
+        """Submit one request and return its deltas; leaving the iterator early aborts it."""
+        queue: asyncio.Queue = asyncio.Queue()
+        request_id = self.submit(prompt, params, queue=queue, request_id=request_id,
+                                 priority=priority)
+        return self._drain(request_id, queue)
+
+    def submit(self, prompt: PromptInput, params: SamplingParams, *, queue: asyncio.Queue,
+               key: Hashable | None = None, request_id: str | None = None,
+               priority: int = 0) -> str:
+        """Submit one request whose deltas go to `queue` (on the running event loop), each
+        as `(key, delta)` when a key is given, then `None` (or `(key, None)`) once it is
+        finished. The caller decodes logprobs (`decode_logprobs`) and aborts what it leaves.
+        Raises RequestError (bad input) or RuntimeError (shutting down)."""
         request = self.engine.make_request(prompt, params, priority=priority,
                                            request_id=request_id)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._sink.queues[request.request_id] = (asyncio.get_running_loop(), queue)
-        self.engine.submit(request)
-        return self._drain(request.request_id, queue)
+        if request.request_id in self._sink.targets:  # never re-point a live request's queue
+            raise RequestError(f"request_id: {request.request_id!r} is already in flight")
+        self._sink.targets[request.request_id] = _Target(asyncio.get_running_loop(), queue,
+                                                         key)
+        try:
+            self.engine.submit(request)
+        except BaseException:
+            self._sink.targets.pop(request.request_id, None)
+            raise
+        return request.request_id
 
     async def _drain(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[StreamDelta]:
         done = False
         try:
             while (delta := await queue.get()) is not None:
+                self.decode_logprobs(delta)
                 yield delta
             done = True
         finally:
             if not done:
                 self.abort(request_id)
 
+    def decode_logprobs(self, delta: StreamDelta) -> None:
+        """Fill in the text of a delta's logprob entries (in place, on the caller's loop)."""
+        decode_logprobs(delta.logprobs, self.engine.tokenizer)
+        decode_logprobs(delta.prompt_logprobs, self.engine.tokenizer)
+
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
-    def shutdown(self, timeout: float | None = None) -> None:
-        """Stop accepting; the loop finishes what it holds, then exits."""
-        self.engine.core.inbox.close()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        self.engine.close()
+    # ---- the tokenizer ----------------------------------------------------------------------
+
+    def prompt_ids(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt as `generate` takes it; raises RequestError."""
+        return self.engine.prompt_ids(prompt)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token: int) -> str:
+        """One token's text as logprobs show it (special tokens included)."""
+        return self.engine.tokenizer.decode([token], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], **options) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages, **options)
+
+    def special_token_ids(self, names) -> tuple[int, ...]:
+        """Ids of the named tokens that the chat template uses."""
+        tok = self.engine.tokenizer
+        ids = (tok.backend.token_to_id(t) for t in names if t in tok.chat_template)
+        return tuple(i for i in ids if i is not None)
+
+    # ---- state other threads may read -------------------------------------------------------
+
+    def snapshot(self) -> SchedulerSnapshot | None:
+        """The latest snapshot the engine thread published (every tick, and when idle)."""
+        return self.engine.snapshot()
+
+    def stats(self) -> dict:
+        """Counters, tick-phase timings and compiled variants (thread-safe reads)."""
+        return self.engine.stats()
+
+    @property
+    def levers(self) -> Levers:
+        return self.engine.levers

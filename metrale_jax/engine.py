@@ -1,7 +1,8 @@
 """LLMEngine: the model, its runner and the tick loop, plus request validation.
 
 `LLM` (offline, vLLM-shaped) and `AsyncLLM` (streaming, for the server) are thin fronts:
-both build `Request`s here and drive the same `SchedulerCore`.
+both build `Request`s here and drive the same `SchedulerCore` through `step()` / `run()`,
+`drain()` and `snapshot()`; neither reaches into the core.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from metrale_jax.cache.spill import SpillStore
 from metrale_jax.config import EngineConfig
 from metrale_jax.loader.resolve import load
 from metrale_jax.outputs import RequestOutput
-from metrale_jax.request import RequestError, SamplingParams
+from metrale_jax.request import Request, RequestError, SamplingParams
 from metrale_jax.runner.model_runner import ModelRunner
 from metrale_jax.scheduler.core import SchedulerCore
 from metrale_jax.scheduler.levers import Levers, LeverValues
 from metrale_jax.scheduler.policy import make_policy
-from metrale_jax.scheduler.state import OutputSink, Request
-from metrale_jax.sequence import Sequence
+from metrale_jax.scheduler.snapshot import SchedulerSnapshot
+from metrale_jax.scheduler.state import OutputSink
+from metrale_jax.sequence import Sequence, decode_logprobs
 from metrale_jax.telemetry import Clock, MonotonicClock
 
 PromptInput = str | dict
@@ -63,7 +65,7 @@ class LLMEngine:
         if spill_backend is None and engine.enable_swap:
             spill_backend = SpillStore(pathlib.Path(self._spill_dir()))
         self.core = SchedulerCore(
-            runner=self.runner, tokenizer=self.tokenizer, levers=self._levers(),
+            runner=self.runner, levers=self._levers(),
             policy=make_policy(engine.policy), clock=clock or MonotonicClock(),
             sink=sink or _NullSink(), max_seq_len=engine.max_seq_len,
             block_size=engine.block_size, spill=spill_backend,
@@ -156,11 +158,37 @@ class LLMEngine:
         self.core.inbox.abort(request_id)
 
     def step(self) -> bool:
+        """One tick on the calling thread; False once the loop has stopped."""
         return self.core.tick()
 
+    def run(self, wait: float | None = 0.5) -> None:
+        """The engine thread's loop (blocks on the inbox when idle, up to `wait` seconds)."""
+        self.core.run(wait)
 
-def request_output(request: Request) -> RequestOutput:
+    def drain(self) -> None:
+        """Read back the step the pipeline left running, so every output is committed."""
+        self.core.drain()
+
+    def close_inbox(self) -> None:
+        """No new requests; the loop finishes what it holds, then `run` returns."""
+        self.core.inbox.close()
+
+    def snapshot(self) -> SchedulerSnapshot | None:
+        """The latest snapshot the engine thread published (safe from any thread)."""
+        return self.core.tel.snapshot
+
+    def stats(self) -> dict:
+        """Telemetry safe to read from any thread: counters, phase timings, compiles."""
+        tel = self.core.tel
+        return {"counters": tel.counters(), "phases": tel.phases(),
+                "compiled_variants": self.runner.counter.count}
+
+
+def request_output(request: Request, tokenizer) -> RequestOutput:
     first = request.sequences[0]
+    for seq in request.sequences:  # logprob entries leave the engine as token ids
+        decode_logprobs(seq.logprobs, tokenizer)
+        decode_logprobs(seq.prompt_logprobs, tokenizer)
     return RequestOutput(request_id=request.request_id, prompt=request.prompt_text,
                          prompt_token_ids=first.prompt_ids, prompt_logprobs=first.prompt_logprobs,
                          outputs=[s.completion() for s in request.sequences],
@@ -177,10 +205,6 @@ class LLM:
         self.engine_config = self.engine.engine_config
         self.runner = self.engine.runner
 
-    @property
-    def core(self) -> SchedulerCore:
-        return self.engine.core
-
     def generate(self, prompts: PromptInput | Seq[PromptInput],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
@@ -196,8 +220,8 @@ class LLM:
             self.engine.submit(request)
         while not all(r.finished for r in requests):
             self.engine.step()
-        self.core.settle()
-        return [request_output(r) for r in requests]
+        self.engine.drain()
+        return [request_output(r, self.tokenizer) for r in requests]
 
     def stream(self, prompt: PromptInput, params: SamplingParams | None = None):
         """Yield the text of one completion as it is generated (held back only where it
@@ -210,7 +234,7 @@ class LLM:
             delta = seq.stream_delta()
             if delta:
                 yield delta
-        self.core.settle()
+        self.engine.drain()
         tail = seq.stream_delta()
         if tail:
             yield tail

@@ -1,4 +1,5 @@
-"""Results in the shape vLLM's offline API returns them."""
+"""What leaves the engine: results in the shape vLLM's offline API returns them, and the
+`StreamDelta`s a stream yields (host only: no jax import)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,19 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None
     outputs: list[CompletionOutput]
     finished: bool
+
+
+@dataclasses.dataclass
+class StreamDelta:
+    """What one sequence produced since its previous delta (the streaming API's unit)."""
+
+    request_id: str
+    index: int
+    text: str                        # new text since the previous delta
+    token_ids: list[int]             # new tokens since the previous delta
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    prompt_token_ids: list[int] | None = None   # on the first delta of each sequence
+    prompt_logprobs: list | None = None

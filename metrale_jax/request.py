@@ -1,4 +1,5 @@
-"""Sampling parameters as users give them (host only: no jax import).
+"""What enters the engine (host only: no jax import): `SamplingParams` as users give them,
+and the accepted `Request` the scheduler holds.
 
 The fields and defaults follow vLLM's `SamplingParams`, so code written for vLLM's offline
 API reads the same here. Validation names the field that is wrong.
@@ -8,6 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from metrale_jax.sequence import Sequence as Seq
 
 
 class RequestError(ValueError):
@@ -96,3 +101,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """An accepted request: its sequences (n completions sharing a prompt)."""
+
+    request_id: str
+    sequences: list["Seq"]
+    prompt_text: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.sequences)

@@ -13,7 +13,7 @@ from typing import Any
 
 from metrale_jax.outputs import CompletionOutput, Logprob, PositionLogprobs
 from metrale_jax.request import SamplingParams
-from metrale_jax.runner.sampler import RowSampling
+from metrale_jax.types import RowSampling
 from metrale_jax.tokenizer import IncrementalDetokenizer, Tokenizer
 
 # Large enough to rule a token out under any temperature, small enough to stay finite.
@@ -133,8 +133,7 @@ class Sequence:
             frequency_penalty=p.frequency_penalty, prompt_ids=self.prompt_ids,
             output_ids=self.output_ids, logit_bias=bias)
 
-    def append(self, token: int, logprob: float, top: PositionLogprobs | None,
-               tokenizer: Tokenizer) -> None:
+    def append(self, token: int, logprob: float, top: PositionLogprobs | None) -> None:
         """Commit one sampled token and apply the stop rules."""
         p = self.params
         self.output_ids.append(token)
@@ -197,13 +196,20 @@ class Sequence:
 
 
 def position_logprobs(top_ids, top_logprobs, n: int, chosen: int, chosen_logprob: float,
-                      chosen_rank: int, tokenizer: Tokenizer) -> PositionLogprobs:
-    """The top-n entries plus the chosen token, as vLLM reports them."""
+                      chosen_rank: int) -> PositionLogprobs:
+    """The top-n entries plus the chosen token, as vLLM reports them. The text of each
+    token is left to the front (`decode_logprobs`), off the engine thread."""
     entries: PositionLogprobs = {}
     for rank, (tid, lp) in enumerate(zip(top_ids[:n], top_logprobs[:n]), start=1):
-        entries[int(tid)] = Logprob(float(lp), rank, tokenizer.decode([int(tid)],
-                                                                      skip_special_tokens=False))
+        entries[int(tid)] = Logprob(float(lp), rank)
     if chosen not in entries:
-        entries[chosen] = Logprob(chosen_logprob, chosen_rank,
-                                  tokenizer.decode([chosen], skip_special_tokens=False))
+        entries[chosen] = Logprob(chosen_logprob, chosen_rank)
     return entries
+
+
+def decode_logprobs(positions, tokenizer: Tokenizer) -> None:
+    """Fill in `decoded_token` of every entry still without one (in place)."""
+    for entries in positions or ():
+        for tid, entry in (entries or {}).items():
+            if entry.decoded_token is None:
+                entry.decoded_token = tokenizer.decode([tid], skip_special_tokens=False)

@@ -11,29 +11,31 @@ from server.protocol import APIError
 
 
 async def snapshot(request: web.Request) -> web.Response:
-    """The latest published snapshot, plus the pool and request counts read right now (the
-    snapshot is published per tick, and an idle engine does not tick)."""
+    """The latest snapshot the engine thread published (every tick, and again before it
+    waits idle, so it is current while the engine idles), with its derived counts."""
     llm = request.app[STATE].llm
-    core = llm.core
-    snap = core.tel.snapshot
-    pool = core.pool
+    snap = llm.snapshot()
+    stats = llm.stats()
+    now = None
+    if snap is not None:
+        now = {"kv_blocks_free": snap.kv_blocks_free, "kv_blocks_cached": snap.kv_blocks_cached,
+               "kv_blocks_used": snap.kv_blocks_used, "kv_blocks_usable": snap.kv_blocks_total,
+               "requests_in_engine": snap.requests_len}
     return web.json_response({
         "snapshot": snap.as_dict() if snap is not None else None,
-        "now": {"kv_blocks_free": pool.num_free, "kv_blocks_cached": pool.num_cached,
-                "kv_blocks_used": pool.num_used, "kv_blocks_usable": pool.num_usable,
-                "requests_in_engine": len(core.requests)},
-        "counters": core.tel.counters(),
-        "compiled_variants": llm.engine.runner.counter.count,
+        "now": now,
+        "counters": stats["counters"],
+        "compiled_variants": stats["compiled_variants"],
     })
 
 
 async def get_levers(request: web.Request) -> web.Response:
-    return web.json_response(request.app[STATE].llm.engine.levers.as_dict())
+    return web.json_response(request.app[STATE].llm.levers.as_dict())
 
 
 async def set_levers(request: web.Request) -> web.Response:
     body = await read_body(request)
-    levers = request.app[STATE].llm.engine.levers
+    levers = request.app[STATE].llm.levers
     try:
         levers.set(**body)
     except LeverError as err:

@@ -97,7 +97,7 @@ async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return web.json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": now(), "owned_by": "metrale",
-         "root": state.llm.engine.model_name, "parent": None,
+         "root": state.llm.limits.model_name, "parent": None,
          "max_model_len": state.limits.max_seq_len}
         for name in state.limits.model_names]})
 
@@ -110,7 +110,6 @@ async def metrics(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_body(request)
-    tok = state.llm.engine.tokenizer
     if "messages" in body:
         _, ids = render_chat(state, chat_messages(body), {
             "add_generation_prompt": get_bool(body, "add_generation_prompt", True)})
@@ -118,7 +117,7 @@ async def tokenize(request: web.Request) -> web.Response:
         prompt = get_str(body, "prompt")
         if prompt is None:
             raise APIError(400, "prompt: is required (or messages)", param="prompt")
-        ids = tok.encode(prompt, add_special_tokens=get_bool(body, "add_special_tokens", True))
+        ids = state.llm.tokenize(prompt, get_bool(body, "add_special_tokens", True))
     return web.json_response({"count": len(ids), "max_model_len": state.limits.max_seq_len,
                               "tokens": ids, "token_strs": None})
 
@@ -131,7 +130,7 @@ async def detokenize(request: web.Request) -> web.Response:
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
         raise APIError(400, f"tokens: expected a list of token ids in [0, {vocab})",
                        param="tokens")
-    return web.json_response({"prompt": state.llm.engine.tokenizer.decode(tokens)})
+    return web.json_response({"prompt": state.llm.detokenize(tokens)})
 
 
 # ---- the app ------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """The bridge from a parsed request to the engine's streams.
 
-1. Each prompt is tokenized once, checked against the context, and submitted as its own
-   engine request (`<id>-<i>`); the waiting cap is checked for all of them first.
-2. `Generation.deltas()` merges the prompts' streams into one iterator of
-   (prompt index, StreamDelta), and raises `EngineDead` as soon as the engine thread dies.
+1. Each prompt is tokenized once, checked against the context, and submitted through
+   `AsyncLLM.submit` as its own engine request (`<id>-<i>`), all onto one asyncio queue for
+   the HTTP request, tagged with the prompt index; the waiting cap is checked first.
+2. `Generation.deltas()` reads that queue as one iterator of (prompt index, StreamDelta),
+   decodes logprob text here on the event loop, and raises `EngineDead` as soon as the
+   engine thread dies.
 3. However the consumer leaves (finished, client gone, cancelled), every engine request not
    finished is aborted, so its blocks come back within a tick.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from metrale_jax.async_engine import StreamDelta
+from metrale_jax.outputs import StreamDelta
 from metrale_jax.request import RequestError
 
 from server.metrics import RequestTimer
@@ -26,7 +28,7 @@ class Generation:
         self.state, self.parsed, self.request_id = state, parsed, request_id
         self.prompt_ids: list[list[int]] = []
         self.prompt_texts: list[str | None] = []
-        self.streams: list = []
+        self.queue: asyncio.Queue = asyncio.Queue()  # (prompt index, delta or None)
         self.timers: list[RequestTimer] = []
         self.engine_ids: list[str] = []
         self.finished: set[int] = set()
@@ -36,11 +38,11 @@ class Generation:
     async def submit(self) -> None:
         """Tokenize, check and submit every prompt; on any error nothing stays submitted."""
         state, parsed = self.state, self.parsed
-        engine = state.llm.engine
+        llm = state.llm
         plans = []
         for prompt in parsed.prompts:
             try:
-                text, ids = engine.prompt_ids(prompt)
+                text, ids = llm.prompt_ids(prompt)
             except RequestError as err:
                 raise from_request_error(err) from None
             if not ids:
@@ -51,16 +53,14 @@ class Generation:
         self._admitted = True
         try:
             for i, (text, ids, params) in enumerate(plans):
-                engine_id = f"{self.request_id}-{i}"
-                stream = await state.llm.generate(
-                    {"prompt_token_ids": ids, "prompt": text}, params,
-                    request_id=engine_id, priority=parsed.priority)
+                engine_id = llm.submit({"prompt_token_ids": ids, "prompt": text}, params,
+                                       queue=self.queue, key=i,
+                                       request_id=f"{self.request_id}-{i}",
+                                       priority=parsed.priority)
                 self.engine_ids.append(engine_id)
-                self.streams.append(stream)
-                self.timers.append(RequestTimer(state.metrics, state.llm, len(ids)))
+                self.timers.append(RequestTimer(state.metrics, llm, len(ids)))
                 self.prompt_ids.append(ids)
-                self.prompt_texts.append(text if text is not None
-                                         else engine.tokenizer.decode(ids))
+                self.prompt_texts.append(text if text is not None else llm.detokenize(ids))
         except RequestError as err:
             await self.close()
             raise from_request_error(err) from None
@@ -76,21 +76,10 @@ class Generation:
         return sum(len(ids) for ids in self.prompt_ids)
 
     async def deltas(self) -> AsyncIterator[tuple[int, StreamDelta]]:
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, stream) -> None:
-            try:
-                async for delta in stream:
-                    queue.put_nowait((i, delta))
-                queue.put_nowait((i, None))
-            except Exception as exc:  # noqa: BLE001 - handed to the consumer
-                queue.put_nowait((i, exc))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
-        dead = self.state.dead
+        dead, llm = self.state.dead, self.state.llm
         try:
-            while len(self.finished) < len(self.streams):
-                get = asyncio.ensure_future(queue.get())
+            while len(self.finished) < len(self.engine_ids):
+                get = asyncio.ensure_future(self.queue.get())
                 waiters = {get} if dead is None else {get, dead}
                 try:
                     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -98,20 +87,16 @@ class Generation:
                     if not get.done():
                         get.cancel()
                 if not get.done() or get.cancelled():
-                    raise EngineDead(repr(self.state.llm.error))
-                i, item = get.result()
-                if item is None:
+                    raise EngineDead(repr(llm.error))
+                i, delta = get.result()
+                if delta is None:
                     self.finished.add(i)
                     self.timers[i].on_done()
                     continue
-                if isinstance(item, Exception):
-                    raise item
-                self.timers[i].on_delta(item.index, len(item.token_ids), item.finish_reason)
-                yield i, item
+                llm.decode_logprobs(delta)
+                self.timers[i].on_delta(delta.index, len(delta.token_ids), delta.finish_reason)
+                yield i, delta
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             await self.close()
 
     async def close(self) -> None:
@@ -121,11 +106,6 @@ class Generation:
                 self.state.llm.abort(engine_id)
                 self.timers[i].on_abort(self.parsed.params.n)
                 self.finished.add(i)
-        for stream in self.streams:
-            try:
-                await stream.aclose()
-            except RuntimeError:
-                pass
         if self._admitted:
             self._admitted = False
             self.state.release(self.num_seqs)

@@ -1,8 +1,9 @@
 """Prometheus metrics in the `metrale:` namespace, shaped like vLLM's `vllm:` ones.
 
-Two sources: engine state (the scheduler's latest snapshot, the block pool, tick-phase
-timings, spill counters, compiled variants) is read when `/metrics` is scraped, by a custom
-collector; request timings (TTFT, time per output token, end-to-end, queue time) and token
+Two sources: engine state (the snapshot the engine thread publishes every tick and before it
+waits idle, plus its thread-safe telemetry: tick-phase timings, spill counters, compiled
+variants) is read through `AsyncLLM` when `/metrics` is scraped, by a custom collector;
+request timings (TTFT, time per output token, end-to-end, queue time) and token
 counts are observed by the server as deltas arrive, so the engine thread never waits on them.
 """
 
@@ -24,7 +25,7 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 
 
 class EngineCollector:
-    """Reads engine state at scrape time (plain attribute reads: no lock with the tick)."""
+    """Reads the engine's published snapshot and telemetry at scrape time."""
 
     def __init__(self, llm, model_name: str):
         self.llm, self.labels = llm, {"model_name": model_name}
@@ -40,52 +41,49 @@ class EngineCollector:
         return c
 
     def collect(self):
-        core, engine = self.llm.core, self.llm.engine
-        snap = core.tel.snapshot
-        pool = core.pool
-        yield from self._requests(core)
-        usable = max(pool.num_usable, 1)
-        yield self._gauge("metrale:kv_cache_usage_perc",
-                          "KV-cache usage: 1 means every block is held by a sequence.",
-                          pool.num_used / usable)
-        yield self._gauge("metrale:kv_cache_free_blocks", "Free KV blocks (cached ones excluded).",
-                          pool.num_free)
-        yield self._gauge("metrale:kv_cache_cached_blocks",
-                          "Unreferenced cached prefix blocks (reclaimable).", pool.num_cached)
-        yield self._gauge("metrale:kv_cache_total_blocks", "Usable KV blocks.", pool.num_usable)
-        stats = pool.stats
-        yield self._counter("metrale:prefix_cache_queries",
-                            "Prompt tokens looked up in the prefix cache.",
-                            stats.prefix_query_tokens)
-        yield self._counter("metrale:prefix_cache_hits",
-                            "Prompt tokens found in the prefix cache.", stats.prefix_hit_tokens)
-        yield self._gauge("metrale:prefix_cache_hit_rate",
-                          "Prefix-cache hits over queries, in tokens, since start.",
-                          stats.prefix_hit_tokens / stats.prefix_query_tokens
-                          if stats.prefix_query_tokens else 0.0)
-        counters = core.tel.counters()
+        snap, stats = self.llm.snapshot(), self.llm.stats()
+        if snap is not None:
+            yield from self._snapshot(snap)
+        counters = stats["counters"]
         for name, doc in (("spills", "Sequences spilled to disk."),
                           ("spill_failures", "Spills that failed (the sequence stayed)."),
                           ("swap_ins", "Sequences read back from disk."),
                           ("preemptions", "Sequences preempted for recompute.")):
             yield self._counter(f"metrale:num_{name}", doc, counters.get(name, 0))
-        yield from self._phases(core.tel.phases())
+        yield from self._phases(stats["phases"])
         yield self._gauge("metrale:compiled_variants",
                           "Compiled step variants (a rise while serving means a compile).",
-                          engine.runner.counter.count)
-        yield self._counter("metrale:scheduler_steps", "Ticks run by the scheduler.",
-                            snap.steps_total if snap else 0)
+                          stats["compiled_variants"])
 
-    def _requests(self, core):
-        """Live counts (list lengths): the snapshot goes stale while the engine idles."""
-        fields = (("num_requests_running", "Sequences prefilling or decoding.",
-                   len(core.active) + len(core.prefilling)),
-                  ("num_requests_waiting", "Sequences waiting for admission.",
-                   len(core.pending.queue)),
-                  ("num_requests_swapped", "Sequences parked: swapped to disk or preempted.",
-                   len(core.swapped) + len(core.preempted)))
-        for name, doc, value in fields:
-            yield self._gauge(f"metrale:{name}", doc, value)
+    def _snapshot(self, snap):
+        """Counts from the published snapshot (vLLM's metric names where they exist)."""
+        yield self._gauge("metrale:num_requests_running", "Sequences prefilling or decoding.",
+                          snap.running_seqs)
+        yield self._gauge("metrale:num_requests_waiting", "Sequences waiting for admission.",
+                          snap.waiting_len)
+        yield self._gauge("metrale:num_requests_swapped",
+                          "Sequences parked: swapped to disk or preempted.", snap.swapped_seqs)
+        yield self._gauge("metrale:kv_cache_usage_perc",
+                          "KV-cache usage: 1 means every block is held by a sequence.",
+                          snap.kv_blocks_used / max(snap.kv_blocks_total, 1))
+        yield self._gauge("metrale:kv_cache_free_blocks", "Free KV blocks (cached ones excluded).",
+                          snap.kv_blocks_free)
+        yield self._gauge("metrale:kv_cache_cached_blocks",
+                          "Unreferenced cached prefix blocks (reclaimable).", snap.kv_blocks_cached)
+        yield self._gauge("metrale:kv_cache_total_blocks", "Usable KV blocks.",
+                          snap.kv_blocks_total)
+        yield self._counter("metrale:prefix_cache_queries",
+                            "Prompt tokens looked up in the prefix cache.",
+                            snap.prefix_query_tokens)
+        yield self._counter("metrale:prefix_cache_hits",
+                            "Prompt tokens found in the prefix cache.", snap.prefix_hit_tokens)
+        yield self._gauge("metrale:prefix_cache_hit_rate",
+                          "Prefix-cache hits over queries, in tokens, since start.",
+                          snap.prefix_hit_tokens / snap.prefix_query_tokens
+                          if snap.prefix_query_tokens else 0.0)
+        yield self._counter("metrale:scheduler_steps",
+                            "Ticks the scheduler has run, idle ones included (the seed's "
+                            "steps_total).", snap.steps_total)
 
     def _phases(self, phases):
         summary = SummaryMetricFamily("metrale:tick_phase_duration_seconds",
@@ -148,7 +146,7 @@ class RequestTimer:
             if not self.first:
                 ttft = t - self.t0
                 self.m.ttft.observe(ttft)
-                phases = self.llm.core.tel.phases()
+                phases = self.llm.stats()["phases"]
                 tick = sum(phases[p].last_s for p in ("pack", "dispatch", "process"))
                 self.m.queue.observe(max(0.0, ttft - tick))
             self.first.setdefault(index, t)

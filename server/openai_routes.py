@@ -92,7 +92,7 @@ async def _run(request: web.Request, parsed: ParsedRequest, prefix: str, respond
 
 def _completion_logprobs(state, gen: Generation, fold: Fold, prompt: int, choice: Choice,
                          ) -> CompletionLogprobs:
-    tok = state.llm.engine.tokenizer
+    tok = state.llm.token_text
     lp = CompletionLogprobs()
     if gen.parsed.echo:
         prompt_lp = fold.prompt_logprobs.get(prompt)
@@ -136,7 +136,7 @@ async def _stream_completion(state, gen: Generation, fold: Fold, deltas, sse: SS
                 logs[choice.index] = _completion_logprobs(state, gen, fold, prompt, choice)
             else:
                 for token, entries in zip(delta.token_ids, delta.logprobs or []):
-                    logs[choice.index].add(token, entries, state.llm.engine.tokenizer)
+                    logs[choice.index].add(token, entries, state.llm.token_text)
             logprobs = logs[choice.index].as_dict(choice.sent_tokens)
             choice.sent_tokens = len(logs[choice.index].tokens)
         if not text and delta.finish_reason is None and not first:
@@ -165,26 +165,23 @@ async def completions(request: web.Request) -> web.StreamResponse:
 # ---- /v1/chat/completions -----------------------------------------------------------------
 
 def render_chat(state: ServerState, messages: list[dict], options: dict) -> tuple[str, list[int]]:
-    tok = state.llm.engine.tokenizer
     try:
-        text = tok.apply_chat_template(messages, **options)
+        text = state.llm.apply_chat_template(messages, **options)
     except jinja2.TemplateError as err:
         raise APIError(400, f"messages: the chat template rejected them: {err}",
                        param="messages") from None
-    return text, tok.encode(text, add_special_tokens=False)
+    return text, state.llm.tokenize(text, add_special_tokens=False)
 
 
 def end_of_turn_ids(state: ServerState) -> tuple[int, ...]:
-    tok = state.llm.engine.tokenizer
-    ids = (tok.backend.token_to_id(t) for t in END_OF_TURN_TOKENS if t in tok.chat_template)
-    return tuple(i for i in ids if i is not None)
+    return state.llm.special_token_ids(END_OF_TURN_TOKENS)
 
 
 def _chat_logprobs(state, parsed: ParsedRequest, tokens, logprobs) -> dict | None:
     if parsed.top_logprobs is None:
         return None
     return {"content": chat_logprob_entries(tokens, logprobs, parsed.top_logprobs,
-                                            state.llm.engine.tokenizer)}
+                                            state.llm.token_text)}
 
 
 def _chat_body(state, gen: Generation, fold: Fold) -> dict:

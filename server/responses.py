@@ -10,8 +10,12 @@ import dataclasses
 import time
 import uuid
 
+from collections.abc import Callable
+
 from metrale_jax.outputs import PositionLogprobs
-from metrale_jax.tokenizer import Tokenizer
+
+# One token's text as logprobs show it (`AsyncLLM.token_text`).
+TokenText = Callable[[int], str]
 
 
 def new_id(prefix: str) -> str:
@@ -27,11 +31,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _token_text(entries: PositionLogprobs, token: int, tokenizer: Tokenizer) -> str:
+def _token_text(entries: PositionLogprobs, token: int, token_text: TokenText) -> str:
     entry = entries.get(token)
     if entry is not None and entry.decoded_token is not None:
         return entry.decoded_token
-    return tokenizer.decode([token], skip_special_tokens=False)
+    return token_text(token)
 
 
 @dataclasses.dataclass
@@ -43,13 +47,13 @@ class CompletionLogprobs:
     text_offset: list = dataclasses.field(default_factory=list)
     offset: int = 0
 
-    def add(self, token: int, entries: PositionLogprobs | None, tokenizer: Tokenizer) -> None:
-        text = _token_text(entries or {}, token, tokenizer)
+    def add(self, token: int, entries: PositionLogprobs | None, token_text: TokenText) -> None:
+        text = _token_text(entries or {}, token, token_text)
         self.tokens.append(text)
         chosen = (entries or {}).get(token)
         self.token_logprobs.append(chosen.logprob if chosen else None)
         self.top_logprobs.append(
-            {_token_text(entries, t, tokenizer): e.logprob
+            {_token_text(entries, t, token_text): e.logprob
              for t, e in sorted(entries.items(), key=lambda kv: kv[1].rank)}
             if entries else None)
         self.text_offset.append(self.offset)
@@ -61,17 +65,17 @@ class CompletionLogprobs:
 
 
 def chat_logprob_entries(tokens: list[int], logprobs: list[PositionLogprobs], top: int,
-                         tokenizer: Tokenizer) -> list[dict]:
+                         token_text: TokenText) -> list[dict]:
     out = []
     for token, entries in zip(tokens, logprobs):
-        text = _token_text(entries, token, tokenizer)
+        text = _token_text(entries, token, token_text)
         chosen = entries.get(token)
         ranked = sorted(entries.items(), key=lambda kv: kv[1].rank)[:top]
         out.append({
             "token": text, "logprob": chosen.logprob if chosen else None,
             "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [{"token": _token_text(entries, t, tokenizer), "logprob": e.logprob,
-                              "bytes": list(_token_text(entries, t, tokenizer).encode("utf-8"))}
+            "top_logprobs": [{"token": _token_text(entries, t, token_text), "logprob": e.logprob,
+                              "bytes": list(_token_text(entries, t, token_text).encode("utf-8"))}
                              for t, e in ranked]})
     return out
 

@@ -162,23 +162,23 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> int:
     await web.TCPSite(runner, args.host, args.port).start()
     url = f"http://{args.host}:{args.port}"
     logger.info("warming up %s on %s (/health says 'starting' until ready)",
-                llm.engine.model_name, url)
+                llm.limits.model_name, url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     t0 = time.monotonic()
-    await asyncio.to_thread(llm.engine.runner.warmup)
+    await asyncio.to_thread(llm.warmup)
     llm.start()
     state.status = "ok"
     logger.info("metrale is ready: serving %s as %s on %s (warm-up %.1f s, %d compiled "
-                "variants%s)", llm.engine.model_name, list(state.limits.model_names), url,
-                time.monotonic() - t0, llm.engine.runner.counter.count,
+                "variants%s)", llm.limits.model_name, list(state.limits.model_names), url,
+                time.monotonic() - t0, llm.stats()["compiled_variants"],
                 ", API key required" if api_key else "")
     await stop.wait()
     state.status = "draining" if state.status == "ok" else state.status
     logger.info("shutting down: %d requests in flight, accepting no new ones",
-                state.inflight_requests)
+                state.open_requests)
     try:
         await asyncio.wait_for(state.idle.wait(), args.drain_timeout)
     except asyncio.TimeoutError:

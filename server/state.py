@@ -37,15 +37,14 @@ class EngineDead(Exception):
 class ServerState:
     def __init__(self, llm: AsyncLLM, config: ServerConfig, status: str = "ok"):
         self.llm, self.config, self.status = llm, config, status
-        names = config.served_model_names or (llm.engine.model_name,)
-        e = llm.engine
-        self.limits = Limits(model_names=tuple(names), max_seq_len=e.engine_config.max_seq_len,
-                             max_logprobs=e.engine_config.max_logprobs,
-                             vocab_size=e.model_config.vocab_size)
+        engine = llm.limits
+        names = config.served_model_names or (engine.model_name,)
+        self.limits = Limits(model_names=tuple(names), max_seq_len=engine.max_seq_len,
+                             max_logprobs=engine.max_logprobs, vocab_size=engine.vocab_size)
         self.model_name = names[0]
         self.metrics = ServerMetrics(llm, self.model_name)
-        self.inflight_seqs = 0
-        self.inflight_requests = 0
+        self.open_seqs = 0
+        self.open_requests = 0
         self.idle = asyncio.Event()
         self.idle.set()
         self.dead: asyncio.Future | None = None  # set on the serving loop at startup
@@ -78,17 +77,17 @@ class ServerState:
 
     def admit(self, num_seqs: int) -> None:
         """The waiting cap: sequences beyond the running batch, at most max_waiting."""
-        cap = self.llm.engine.levers.get().max_batch_size + self.config.max_waiting
-        if self.inflight_seqs + num_seqs > cap:
-            raise APIError(429, f"too many requests waiting: {self.inflight_seqs} sequences "
+        cap = self.llm.levers.get().max_batch_size + self.config.max_waiting
+        if self.open_seqs + num_seqs > cap:
+            raise APIError(429, f"too many requests waiting: {self.open_seqs} sequences "
                                 f"in flight, the cap is {cap}; retry later",
                            code="too_many_requests")
-        self.inflight_seqs += num_seqs
-        self.inflight_requests += 1
+        self.open_seqs += num_seqs
+        self.open_requests += 1
         self.idle.clear()
 
     def release(self, num_seqs: int) -> None:
-        self.inflight_seqs -= num_seqs
-        self.inflight_requests -= 1
-        if self.inflight_requests == 0:
+        self.open_seqs -= num_seqs
+        self.open_requests -= 1
+        if self.open_requests == 0:
             self.idle.set()

@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from metrale_jax.runner.model_runner import RowResult, StepHandle
+from metrale_jax.types import RowResult, StepHandle
 
 VOCAB = 97
 
@@ -59,7 +59,7 @@ class FakeRunner:
     def dispatch(self, rows) -> StepHandle:
         results = []
         for row in rows:
-            chunk = row.chunk
+            chunk = row
             table = list(chunk.block_table)
             state = 0 if chunk.start == 0 else int(self.ssm[chunk.ssm_slot])
             for i, tok in enumerate(chunk.tokens):

@@ -7,11 +7,10 @@ import tempfile
 
 from metrale_jax.cache.spill import SpillStore
 from metrale_jax.default_model import ASSET_DIR
-from metrale_jax.request import SamplingParams
+from metrale_jax.request import Request, SamplingParams
 from metrale_jax.scheduler.core import SchedulerCore
 from metrale_jax.scheduler.levers import Levers, LeverValues
 from metrale_jax.scheduler.policy import make_policy
-from metrale_jax.scheduler.state import Request
 from metrale_jax.sequence import Sequence
 from metrale_jax.telemetry import FakeClock
 from metrale_jax.tokenizer import Tokenizer
@@ -46,7 +45,7 @@ def make_core(*, num_blocks: int = 64, block_size: int = 4, max_batch: int = 4,
     if spill is None and swap:
         spill = SpillStore(pathlib.Path(spill_dir or tempfile.mkdtemp(prefix="fake-spill-")))
     return SchedulerCore(
-        runner=runner, tokenizer=TOKENIZER, levers=levers, policy=make_policy(policy),
+        runner=runner, levers=levers, policy=make_policy(policy),
         clock=FakeClock(step=0.001), sink=RecordingSink(), max_seq_len=max_seq_len,
         block_size=block_size, spill=spill,
         snapshot_slots=list(range(runner.num_seq_slots, runner.num_slots)),
@@ -79,7 +78,7 @@ def drive(core: SchedulerCore, requests: list[Request], max_ticks: int = 2000) -
     """Tick until every (already submitted) request is finished."""
     for tick in range(max_ticks):
         if all(r.finished for r in requests):
-            core.settle()
+            core.drain()
             return tick
         core.tick()
     raise AssertionError(f"not finished after {max_ticks} ticks: "

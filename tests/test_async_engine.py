@@ -84,12 +84,12 @@ def test_consumer_that_stops_aborts_and_blocks_come_back(engine):
         for _ in range(200):
             done = await _collect(await engine.generate("ok", SamplingParams(
                 temperature=0.0, max_tokens=1)))
-            if "goes-away" not in engine.core.requests:
+            if "goes-away" not in engine.engine.core.requests:
                 return done
         raise AssertionError("the aborted request never left the engine")
 
     asyncio.run(scenario())
-    pool = engine.core.pool
+    pool = engine.engine.core.pool
     assert pool.num_used == 0
-    phases = engine.core.tel.phases()
+    phases = engine.engine.core.tel.phases()
     assert phases["drain"].count > 0 and phases["dispatch"].count > 0

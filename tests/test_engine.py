@@ -32,7 +32,7 @@ def test_batched_equals_alone(llm):
     alone = [_tokens(llm.generate([p], GREEDY))[0] for p in PROMPTS]
     assert together == alone
     assert all(len(t) == 12 for t in together)
-    pool = llm.core.pool
+    pool = llm.engine.core.pool
     assert pool.num_free + pool.num_cached == pool.num_usable  # every block came back
 
 
@@ -43,9 +43,9 @@ def test_preemption_by_recompute_keeps_outputs():
     prompts = [p * 2 for p in PROMPTS[:4]]
     got = _tokens(small.generate(prompts, params))
     assert got == [_tokens(small.generate([p], params))[0] for p in prompts]
-    assert small.core.pool.num_used == 0
-    assert small.core.tel.counters().get("spills", 0) + \
-        small.core.tel.counters().get("preemptions", 0) > 0  # the pool really was too small
+    assert small.engine.core.pool.num_used == 0
+    assert small.engine.core.tel.counters().get("spills", 0) + \
+        small.engine.core.tel.counters().get("preemptions", 0) > 0  # the pool really was too small
 
 
 def test_seeded_sampling_reproduces_and_varies(llm):

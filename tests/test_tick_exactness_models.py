@@ -111,7 +111,7 @@ def _check(engines, key, pool, work, lever_values):
         if tick > 8 and all(r.finished for _, r in reqs):
             break
         engine.step()
-    engine.core.settle()
+    engine.drain()
     for w, r in reqs:
         s = r.sequences[0]
         assert s.finished

@@ -31,7 +31,7 @@ def time_one(engine, prompt: tuple[int, ...], output_len: int,
         engine.step()
         if first is None and seq.output_ids:
             first = clock()
-    engine.core.settle()
+    engine.drain()
     end = clock()
     if first is None:
         first = end

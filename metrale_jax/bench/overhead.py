@@ -71,7 +71,7 @@ def engine_decode_tps(engine, reqs: list, pipeline: bool, ticks: int) -> float:
     t0 = time.perf_counter()
     for _ in range(ticks):
         engine.step()
-    engine.core.settle()
+    engine.drain()
     return (count() - start_tokens) / (time.perf_counter() - t0)
 
 

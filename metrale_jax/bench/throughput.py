@@ -68,7 +68,7 @@ def drive(engine, requests: list[BenchRequest], *, progress: bool = False,
         now_done = sum(r.finished for r in reqs)
         bar.update(now_done - done)
         done = now_done
-    engine.core.settle()
+    engine.drain()
     elapsed = time.perf_counter() - t0
     bar.close()
     for req, want in zip(reqs, requests):

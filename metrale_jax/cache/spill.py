@@ -25,10 +25,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 & co. so np.dtype("bfloat16") resolves)
 import numpy as np
 
 _FORMAT = 1
+
+
+def _dtype(name: str) -> np.dtype:
+    # ml_dtypes registers bfloat16 & co. with numpy; imported only when a spill is read back,
+    # since it costs seconds at import and the host-only tests never need it otherwise.
+    import ml_dtypes  # noqa: F401
+
+    return np.dtype(name)
+
 _CHUNK = 8 << 20  # bytes hashed and copied per read/write call: bounds extra host memory
 # Keys have no dots, so `<key>.*` matches exactly one key's files.
 _KEY_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -154,7 +162,7 @@ class SpillStore:
 
     def _read_array(self, key: str, entry: Mapping[str, Any]) -> np.ndarray:
         name, path = entry["name"], self.directory / entry["file"]
-        out = np.empty(tuple(entry["shape"]), np.dtype(entry["dtype"]))
+        out = np.empty(tuple(entry["shape"]), _dtype(entry["dtype"]))
         if out.nbytes != entry["nbytes"]:
             raise SpillCorrupt(f"spill {key!r}: array {name!r}: shape {entry['shape']} and dtype "
                                f"{entry['dtype']} make {out.nbytes} bytes, manifest says "

@@ -2,7 +2,7 @@
 
 The runner owns the device caches and the compiled step; it knows nothing of requests.
 A caller hands it `ScheduledRow`s (a chunk of one sequence plus its sampling settings) and
-gets numpy results per row.
+gets numpy `RowResult`s per row: the contract in `metrale_jax.types`.
 """
 
 from __future__ import annotations
@@ -19,40 +19,12 @@ from metrale_jax.model.caches import (DeviceCaches, allocate_caches, kv_cache_dt
                                       num_kv_blocks)
 from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.runner.buckets import BucketLadders, CompileCounter, StepShape
-from metrale_jax.runner.inputs import RowChunk, build_step_batch
+from metrale_jax.runner.inputs import build_step_batch
 from metrale_jax.runner.progress import WarmupProgress
-from metrale_jax.runner.sampler import (RowSampling, make_sampling_arrays, needs_filters,
-                                        needs_penalties)
+from metrale_jax.runner.sampler import make_sampling_arrays, needs_filters, needs_penalties
 from metrale_jax.runner.step import StepOptions, StepRunner
 from metrale_jax.runner.swap import gather_sequence, scatter_sequence
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledRow:
-    chunk: RowChunk
-    sampling: RowSampling = RowSampling()
-    # Prompt-logprob targets for this chunk's positions: the token that follows each one
-    # (-1 where there is none or it is not wanted). Empty when not asked for.
-    targets: Sequence[int] = ()
-
-
-@dataclasses.dataclass
-class RowResult:
-    token: int
-    logprob: float
-    rank: int
-    top_ids: np.ndarray          # [num_top]
-    top_logprobs: np.ndarray     # [num_top]
-    prompt_logprobs: np.ndarray | None = None  # [chunk] logprob of each target
-    prompt_ranks: np.ndarray | None = None     # [chunk]
-    prompt_top_ids: np.ndarray | None = None   # [chunk, num_top]
-    prompt_top_logprobs: np.ndarray | None = None
-
-
-@dataclasses.dataclass
-class StepHandle:
-    rows: list[ScheduledRow]
-    out: object  # StepOutput on the device
+from metrale_jax.types import RowResult, ScheduledRow, StepHandle
 
 
 def _copy_slots(caches: DeviceCaches, src: jax.Array, dst: jax.Array) -> DeviceCaches:
@@ -98,9 +70,9 @@ class ModelRunner:
     def shape_for(self, rows: Sequence[ScheduledRow]) -> StepShape:
         bs = self.engine.block_size
         return self.ladders.shape_for(
-            num_tokens=sum(len(r.chunk.tokens) for r in rows), num_rows=len(rows),
-            widest_chunk=max(len(r.chunk.tokens) for r in rows),
-            most_blocks=max(-(-r.chunk.end // bs) for r in rows))
+            num_tokens=sum(len(r.tokens) for r in rows), num_rows=len(rows),
+            widest_chunk=max(len(r.tokens) for r in rows),
+            most_blocks=max(-(-r.end // bs) for r in rows))
 
     def run(self, rows: Sequence[ScheduledRow]) -> list[RowResult]:
         return self.collect(self.dispatch(rows))
@@ -108,7 +80,7 @@ class ModelRunner:
     def dispatch(self, rows: Sequence[ScheduledRow]) -> "StepHandle":
         """Start the step on the device and return at once (JAX dispatches asynchronously)."""
         shape = self.shape_for(rows)
-        batch = build_step_batch([r.chunk for r in rows], shape, self.engine.block_size)
+        batch = build_step_batch(rows, shape, self.engine.block_size)
         samplings = [r.sampling for r in rows]
         penalties = needs_penalties(samplings)
         history = max((len(s.prompt_ids) + len(s.output_ids) for s in samplings if
@@ -124,7 +96,7 @@ class ModelRunner:
             for r in rows:
                 if len(r.targets):
                     flat[cursor:cursor + len(r.targets)] = r.targets
-                cursor += len(r.chunk.tokens)
+                cursor += len(r.tokens)
             targets = flat
         options = StepOptions(num_top=self.engine.max_logprobs, penalties=penalties,
                               filters=needs_filters(samplings), prompt_logprobs=want_prompt)
@@ -158,7 +130,7 @@ class ModelRunner:
         results, cursor = [], 0
         s = out.sampled
         for i, r in enumerate(rows):
-            n = len(r.chunk.tokens)
+            n = len(r.tokens)
             res = RowResult(token=int(s.tokens[i]), logprob=float(s.logprobs[i]),
                             rank=int(out.ranks[i]),
                             top_ids=s.top_ids[i], top_logprobs=s.top_logprobs[i])

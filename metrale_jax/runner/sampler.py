@@ -8,12 +8,14 @@ vocab V, history P, bias B) and the static flags of `sample` select a program.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
+
+from metrale_jax.types import RowSampling
 
 _NEG_INF = -jnp.inf
 
@@ -45,38 +47,6 @@ class SampleResult:
     logprobs: Float[Array, "S"]  # raw model logprob of `tokens`
     top_ids: Int[Array, "S K"]
     top_logprobs: Float[Array, "S K"]  # sorted descending
-
-
-@dataclasses.dataclass(frozen=True)
-class RowSampling:
-    """Host-side sampling settings of one request (plain Python values)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    counter: int = 0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    prompt_ids: Sequence[int] = ()
-    output_ids: Sequence[int] = ()
-    logit_bias: Mapping[int, float] = dataclasses.field(default_factory=dict)
-
-    @property
-    def uses_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
-
-    @property
-    def uses_filters(self) -> bool:
-        return self.temperature > 0.0 and (
-            self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
-        )
 
 
 def needs_penalties(rows: Sequence[RowSampling]) -> bool:

@@ -1,4 +1,4 @@
-"""The tick loop: a host-side scheduler that reproduces the seed's `plan_tick`.
+"""The tick loop: a host-side scheduler that reproduces the seed's `plan_tick` (no jax).
 
 The idea: every request is a sequence of tokens, some already in the device caches
 (`num_computed`), some still owed. A tick decides which owed tokens run next — prompt
@@ -6,7 +6,18 @@ chunks and single decode tokens side by side in one ragged batch under a token b
 which sequences must give memory back (prefix-cache blocks first, then a spill to disk, or a
 preemption by recompute). The device only ever sees one padded batch per tick.
 
-One tick, in the seed's phase order (`SchedulerCore.tick`):
+The parts (mini-sglang's shape: small collaborators, the core orchestrates):
+  core.py     SchedulerCore: running lists, requests, the tick, the loop, reporting
+  phases.py   the seed's pre-step phases, each a function of the parts it needs
+  memory.py   Memory: block pool, SSM state slots, SSM snapshots; commit and release
+  parking.py  Parking: swapped and preempted sequences, the spill backend, resuming
+  lanes.py    packing one batch; says "needs room for X" instead of making room
+  commit.py   applying a step's results; returns the sequences it touched
+  settle.py   must_settle: every reason to wait for the step running ahead
+  inbox.py, state.py (Pending, TickPlan), levers.py, policy.py, snapshot.py
+The contract with the runner is `metrale_jax.types`.
+
+One tick, in the seed's phase order (`SchedulerCore.tick` = `plan_tick` + `run_lanes`):
   1. drain      — move new requests from the inbox into `pending`; the admission policy picks
                   up to `max_batch_size` minus what is running; nothing new while sequences
                   are parked (swapped or preempted): they resume first.
@@ -23,6 +34,24 @@ One tick, in the seed's phase order (`SchedulerCore.tick`):
                   prefix), then spill the active sequence holding the most blocks until the
                   prompt fits; a failed spill stops spilling for the tick, losing nothing.
   8. lanes      — resume parked sequences, StartPrefills / ContinuePrefills / Decode packed
-                  into one batch, dispatch it, then process the previous step's results
-                  (pipeline on) or this step's (pipeline off).
+                  into one batch, dispatch it; then the plain variant reads this step back,
+                  the overlapped one reads back the previous step while the device works.
+`run()` loops ticks on the engine thread; when idle it publishes a fresh snapshot and blocks
+on the inbox.
+
+One name per concept:
+  waiting     accepted, not yet admitted (`Pending.waiting`, `Status.WAITING`, snapshot
+              `waiting_len`, metric `num_requests_waiting`). The seed's snapshot field
+              `pending_len` counts what phase 1 admitted this tick.
+  running     prefilling + active (decoding); metric `num_requests_running`.
+  parked      swapped (state on disk) + preempted (recomputes); `Parking`. The seed's
+              `swapped_seqs` and vLLM's metric `num_requests_swapped` count all parked.
+  tick        one pass of the loop, idle or not. The seed's `steps_total` and the metric
+              `scheduler_steps` count ticks; a "step" is one dispatch to the device.
+  slot        `Sequence.slot`: the sequence's SSM state slot, which also holds its
+              future-token cell; snapshot slots belong to `SnapshotPool`; adapter slots to
+              LoRA (`Sequence.adapter_slot`).
+  inflight    `SchedulerCore.inflight`: the step dispatched and not read back;
+              `Sequence.inflight`: that sequence's tokens sampled on the device and not yet
+              read back. The server counts its open requests as `open_requests`.
 """

@@ -1,8 +1,15 @@
-"""SchedulerCore: the state of the tick loop and the tick itself.
+"""SchedulerCore: the tick loop's running lists and requests, orchestrating its parts.
 
-`tick()` = `plan_tick()` (the seed's phases, in order) + `run_lanes()` (pack one ragged
-batch, dispatch it, process the previous or this step's results). Everything here runs on
-the engine thread; other threads talk to it only through the inbox and the levers.
+Parts that own their state: `Memory` (block pool, SSM slots, snapshots), `Parking` (swapped
+and preempted sequences, the spill backend), `Pending` (waiting sequences, queued rotations)
+and the `Inbox`. Phase functions (`phases`), packing (`lanes`) and reading results back
+(`commit`) take the parts they need and return what happened; only the core moves sequences
+between lists, settles the pipeline (`settle.must_settle`) and reports to the sink.
+
+`tick()` = `plan_tick()` (the seed's phases, in order) + `run_lanes()` (the plain or the
+overlapped variant, side by side). `run()` is the engine thread's loop. Everything here runs
+on the engine thread; other threads talk to it only through the inbox, the levers and the
+published snapshot.
 """
 
 from __future__ import annotations
@@ -10,58 +17,67 @@ from __future__ import annotations
 import itertools
 import logging
 
-from metrale_jax.cache.block_pool import BlockPool, SlotPool
-from metrale_jax.cache.prefix_hash import ROOT_HASH
 from metrale_jax.cache.spill import SpillBackend
-from metrale_jax.cache.ssm_snapshots import SnapshotPool
-from metrale_jax.runner.model_runner import StepHandle
-from metrale_jax.scheduler import phases, swap
-from metrale_jax.scheduler.commit import process_step
+from metrale_jax.request import Request
+from metrale_jax.scheduler import phases
+from metrale_jax.scheduler.commit import commit_step
 from metrale_jax.scheduler.inbox import Inbox, Received
-from metrale_jax.scheduler.lanes import PackedRow, mark_dispatched, pack_lanes, start_prefills
+from metrale_jax.scheduler.lanes import PackedRow, mark_dispatched, pack_lanes
 from metrale_jax.scheduler.levers import Levers, LeverValues
+from metrale_jax.scheduler.memory import Memory
+from metrale_jax.scheduler.parking import Parking
 from metrale_jax.scheduler.policy import AdmissionPolicy
-from metrale_jax.scheduler.state import Lane, LaneKind, OutputSink, Pending, Request, TickPlan
+from metrale_jax.scheduler.settle import must_settle
+from metrale_jax.scheduler.state import OutputSink, Pending, TickPlan
 from metrale_jax.sequence import Sequence, Status
 from metrale_jax.telemetry import Clock, Phase, Telemetry
+from metrale_jax.types import Runner, StepHandle
 
 logger = logging.getLogger(__name__)
 
 
 class SchedulerCore:
-    def __init__(self, *, runner, tokenizer, levers: Levers, policy: AdmissionPolicy,
+    def __init__(self, *, runner: Runner, levers: Levers, policy: AdmissionPolicy,
                  clock: Clock, sink: OutputSink, max_seq_len: int, block_size: int,
                  spill: SpillBackend | None = None, snapshot_slots: list[int] | None = None,
                  check_every_tick: bool = False):
-        self.runner, self.tokenizer, self.levers, self.policy = runner, tokenizer, levers, policy
-        self.clock, self.sink, self.spill = clock, sink, spill
+        self.runner, self.levers, self.policy = runner, levers, policy
+        self.clock, self.sink = clock, sink
         self.max_seq_len, self.block_size = max_seq_len, block_size
         self.check_every_tick = check_every_tick
         self.tel = Telemetry(clock)
-        self.pool = BlockPool(runner.num_blocks, block_size)
-        self.slots = SlotPool(runner.num_seq_slots)
-        self.snapshots = SnapshotPool(snapshot_slots or [])
+        self.memory = Memory(num_blocks=runner.num_blocks, block_size=block_size,
+                             num_seq_slots=runner.num_seq_slots,
+                             snapshot_slots=snapshot_slots or [], has_ssm=runner.has_ssm,
+                             copy_slots=runner.copy_slots)
+        self.parking = Parking(runner=runner, memory=self.memory, spill=spill, tel=self.tel)
         self.inbox = Inbox()
         self.pending = Pending()
-        self.active: list[Sequence] = []
-        self.prefilling: list[Sequence] = []
-        self.swapped: list[Sequence] = []
-        self.preempted: list[Sequence] = []
+        self.active: list[Sequence] = []       # decoding
+        self.prefilling: list[Sequence] = []   # prompt (or a recompute) partly in the caches
         self.requests: dict[str, Request] = {}
+        # The step dispatched and not yet read back (pipeline on), with its rows.
         self.inflight: tuple[StepHandle, list[PackedRow]] | None = None
-        self.steps_total = 0
+        self.steps_total = 0                   # ticks (the seed's name), idle ones included
         self.levers_now: LeverValues = levers.get()
         self._order = itertools.count()
-        self.runner_has_kv = runner.num_blocks > 1
 
-    # ---- the tick -------------------------------------------------------------------------
+    # ---- the loop and the tick ------------------------------------------------------------
+
+    def run(self, wait: float | None = 0.5) -> None:
+        """Tick until the inbox closes and nothing is left. When idle, publish a fresh
+        snapshot and block on the inbox for up to `wait` seconds instead of spinning."""
+        while self.tick():
+            if self.is_idle:
+                self.publish_snapshot()
+                self.absorb(self.inbox.recv(wait=True, timeout=wait))
 
     def tick(self) -> bool:
         """One tick; False once the loop should stop (inbox closed, nothing left)."""
         self.levers_now = self.levers.get()  # one consistent reading per tick
         plan = self.plan_tick()
         if plan.shutdown:
-            self.settle()
+            self._settle_if(stopping=True)
             return False
         self.run_lanes(plan)
         if self.check_every_tick or self.is_idle:
@@ -72,53 +88,125 @@ class SchedulerCore:
         t = self.clock.now()
         self.absorb(self.inbox.recv(wait=False))
         new = phases.drain_pending(self.pending, self.policy, self.levers_now,
-                                   len(self.active) + len(self.prefilling),
-                                   bool(self.swapped or self.preempted))
-        new = phases.gate_admissions(self, new)
+                                   len(self.active) + len(self.prefilling), bool(self.parking))
+        new = self._gate(new)
         self.tel.mark(Phase.DRAIN, t)
-        if self.inflight and (new or self.prefilling or self.swapped or self.preempted):
-            self.settle()
+        self._settle_if(batch_changes=bool(new or self.prefilling or self.parking))
         t = self.clock.now()
         self.steps_total += 1
-        self.tel.publish(phases.build_snapshot(self, new))
+        self.publish_snapshot(new)
         self.tel.mark(Phase.SNAPSHOT, t)
         t = self.clock.now()
-        rotated = phases.apply_rotations(self, new)
+        busy = bool(self.active or self.prefilling or new or self.parking)
+        rotated = phases.apply_rotations(self.pending, quiet=not busy)
         self.tel.mark(Phase.ROTATIONS, t)
-        if phases.should_shut_down(self, new, rotated):
-            return TickPlan(lanes=[], shutdown=True)
+        idle = not (rotated or busy or self.pending.waiting)
+        if phases.should_shut_down(self.pending, idle, self._poll_inbox):
+            return TickPlan(shutdown=True)
         t = self.clock.now()
-        phases.swap_out_for_admissions(self, new, lambda victim: swap.swap_out(self, victim))
+        if self.parking.spill is not None and self.levers_now.swap_enabled:
+            phases.swap_out_for_admissions(new, active=self.active, memory=self.memory,
+                                           spill_one=self._swap_out)
         self.tel.mark(Phase.SWAP_OUT, t)
-        return TickPlan(lanes=[Lane(LaneKind.START_PREFILLS, new),
-                               Lane(LaneKind.CONTINUE_PREFILLS), Lane(LaneKind.DECODE)])
+        return TickPlan(admitted=new)
 
     def run_lanes(self, plan: TickPlan) -> None:
-        t = self.clock.now()
-        new = plan.lanes[0].sequences
-        # Parked sequences resume on ticks that admit nothing new (drain admits nothing while
-        # they wait), never in the tick that parked them to make room for an admission.
-        if (self.swapped or self.preempted) and not new:
-            swap.resume_parked(self)
-        self.tel.mark(Phase.RESUME, t)
-        t = self.clock.now()
-        start_prefills(self, new)
-        if self.inflight and any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty
-                                 or s.params.frequency_penalty for s in self.active):
-            self.settle()  # penalties need every output token on the host
-        packed = pack_lanes(self)
-        self.tel.mark(Phase.PACK, t)
+        if self.levers_now.pipeline_enabled:
+            self._overlap_lanes(plan)
+        else:
+            self._normal_lanes(plan)
+
+    def _normal_lanes(self, plan: TickPlan) -> None:
+        """Plain: dispatch this tick's batch and read it back before the tick ends."""
+        self._settle_if(pipeline=False)  # a step left by the pipelined variant, if any
+        self._prepare_lanes(plan)
+        packed = self._pack()
+        if packed:
+            self.inflight = (self._dispatch(packed), packed)
+        self._settle_if(pipeline=False)
+
+    def _overlap_lanes(self, plan: TickPlan) -> None:
+        """Pipelined: dispatch this tick's batch, then read back the previous one while the
+        device works."""
+        self._prepare_lanes(plan)
+        self._settle_if(penalties=any(s.params.repetition_penalty != 1.0
+                                      or s.params.presence_penalty
+                                      or s.params.frequency_penalty for s in self.active))
+        packed = self._pack()
         if not packed:
-            self.settle()
+            self._settle_if(empty_batch=True)
             return
-        t = self.clock.now()
-        handle = self.runner.dispatch([p.row for p in packed])
-        mark_dispatched(self, packed)
-        self.tel.mark(Phase.DISPATCH, t)
+        handle = self._dispatch(packed)
         previous, self.inflight = self.inflight, (handle, packed)
         if previous is not None:
             self._process(*previous)
-        if not self.levers_now.pipeline_enabled:
+
+    def drain(self) -> None:
+        """Read back the step running ahead, if any (callers that stop ticking)."""
+        self._settle_if(stopping=True)
+
+    # ---- the pieces of a tick ---------------------------------------------------------------
+
+    def _gate(self, new: list[Sequence]) -> list[Sequence]:
+        spillable = 0
+        if self.levers_now.swap_enabled and self.parking.spill is not None:
+            spillable = sum(len(s.block_table) for s in self.active if s.grammar_state is None)
+        admitted, rejected = phases.gate_admissions(
+            new, pending=self.pending, memory=self.memory, levers=self.levers_now,
+            spillable_blocks=spillable, busy=bool(self.active or self.prefilling),
+            max_seq_len=self.max_seq_len)
+        for seq, reason in rejected:
+            self.fail_sequence(seq, reason)
+        return admitted
+
+    def _prepare_lanes(self, plan: TickPlan) -> None:
+        """Resume parked sequences, then start the admitted prefills."""
+        t = self.clock.now()
+        # Parked sequences resume on ticks that admit nothing new (drain admits nothing while
+        # they wait), never in the tick that parked them to make room for an admission.
+        if self.parking and not plan.admitted:
+            resumed = self.parking.resume(self.levers_now.prefill_chunk_size)
+            self.active.extend(resumed.decoding)
+            self.prefilling.extend(resumed.prefilling)
+            for seq, reason in resumed.failed:
+                self.fail_sequence(seq, reason)
+        self.tel.mark(Phase.RESUME, t)
+        reuse = self.levers_now.prefix_cache_enabled
+        for seq in plan.admitted:  # StartPrefills
+            # A prompt-logprobs request needs every position scored: it reuses nothing.
+            self.memory.admit(seq, reuse and seq.params.prompt_logprobs is None)
+            seq.status = Status.PREFILLING
+            self.prefilling.append(seq)
+
+    def _pack(self) -> list[PackedRow]:
+        """Pack one batch; when a decode finds no block, settle, make room and pack again."""
+        t = self.clock.now()
+        no_room: set[int] = set()
+        while True:
+            packing = pack_lanes(self.active, self.prefilling, self.memory, self.levers_now,
+                                 no_room)
+            if packing.needs_room is None:
+                break
+            self._settle_if(needs_room=True)
+            if not self._make_room(packing.needs_room, {id(p.seq) for p in packing.rows}):
+                no_room.add(id(packing.needs_room))
+        if packing.starved is not None:
+            self.preempt(packing.starved)
+        self.tel.mark(Phase.PACK, t)
+        return packing.rows
+
+    def _dispatch(self, packed: list[PackedRow]) -> StepHandle:
+        t = self.clock.now()
+        handle = self.runner.dispatch([p.row for p in packed])
+        for seq in mark_dispatched(packed, self.memory):
+            self.prefilling.remove(seq)
+            self.active.append(seq)
+        self.tel.mark(Phase.DISPATCH, t)
+        return handle
+
+    def _settle_if(self, **reasons: bool) -> None:
+        if self.inflight is not None and must_settle(
+                **{"pipeline": self.levers_now.pipeline_enabled, **reasons}):
             self.settle()
 
     def settle(self) -> None:
@@ -131,13 +219,20 @@ class SchedulerCore:
 
     def _process(self, handle: StepHandle, packed: list[PackedRow]) -> None:
         t = self.clock.now()
-        process_step(self, handle, packed)
+        for seq in commit_step(self.runner.collect(handle), packed, self.memory):
+            if seq.finished:
+                self.finish(seq)
+            else:
+                self.emit(seq)
         self.tel.mark(Phase.PROCESS, t)
 
     # ---- requests in and out --------------------------------------------------------------
 
     def absorb(self, received: Received) -> None:
         self.pending.absorb(received, self._accept, self.abort)
+
+    def _poll_inbox(self) -> None:
+        self.absorb(self.inbox.recv(wait=False))
 
     def _accept(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -153,8 +248,8 @@ class SchedulerCore:
     def finish(self, seq: Sequence) -> None:
         """A sequence is done (stop, length, error or abort): free everything it holds."""
         self._remove(seq)
-        self.release_memory(seq)
-        self.discard_spill(seq)
+        self.memory.release(seq)
+        self.parking.discard_spill(seq)
         seq.status = Status.FINISHED
         request = self.requests.get(seq.request_id)
         if request is None:
@@ -164,6 +259,9 @@ class SchedulerCore:
         # before the request is.
         if all(s.status is Status.FINISHED for s in request.sequences):
             del self.requests[request.request_id]
+            # Published before the caller hears of it: a client that saw its request finish
+            # reads counts that no longer hold it.
+            self.publish_snapshot()
             self.sink.on_finished(request)
 
     def fail_sequence(self, seq: Sequence, message: str) -> None:
@@ -185,98 +283,82 @@ class SchedulerCore:
                 self.finish(seq)
 
     def _remove(self, seq: Sequence) -> None:
-        for group in (self.active, self.prefilling, self.swapped, self.preempted,
-                      self.pending.queue):
+        for group in (self.active, self.prefilling, self.pending.waiting):
             if seq in group:
                 group.remove(seq)
+        self.parking.remove(seq)
 
-    # ---- memory -------------------------------------------------------------------------
+    # ---- making room --------------------------------------------------------------------
 
-    def release_memory(self, seq: Sequence) -> None:
-        if seq.block_table:
-            self.pool.release(seq.block_table)
-            seq.block_table = []
-        if seq.slot:
-            self.slots.free(seq.slot)
-            seq.slot = 0
+    def _swap_out(self, seq: Sequence) -> bool:
+        if not self.parking.swap_out(seq):
+            return False
+        self.active.remove(seq)
+        return True
 
-    def discard_spill(self, seq: Sequence) -> None:
-        if seq.spill is not None:
-            self.spill.remove(seq.spill)
-            seq.spill = None
-
-    def commit_blocks(self, seq: Sequence) -> int:
-        """Offer the sequence's newly full blocks to the prefix cache: only blocks whose KV
-        is computed and whose tokens are all read back."""
-        known = min(seq.num_computed, len(seq.prompt_ids) + len(seq.output_ids))
-        bs, ids, added = self.block_size, None, 0
-        while (len(seq.block_hashes) + 1) * bs <= known:
-            ids = ids or seq.all_ids
-            i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(self.pool.commit_block(
-                seq.block_table[i], parent if parent is not None else ROOT_HASH,
-                ids[i * bs:(i + 1) * bs], seq.adapter_id))
-            added += 1
-        return added
-
-    def make_room(self, seq: Sequence, in_batch: set[int]) -> bool:
+    def _make_room(self, seq: Sequence, in_batch: set[int]) -> bool:
         """A decode found no free block: spill (when on) or preempt another sequence."""
-        self.settle()
         victims = [s for s in self.active + self.prefilling
                    if s is not seq and id(s) not in in_batch and not s.finished]
         if not victims:
             return False
-        if self.spill is not None and self.levers_now.swap_enabled:
+        if self.parking.spill is not None and self.levers_now.swap_enabled:
             spillable = [s for s in victims if s.status is Status.RUNNING
                          and s.grammar_state is None]
-            if spillable and swap.swap_out(self, max(spillable, key=lambda s: len(s.block_table))):
+            if spillable and self._swap_out(max(spillable, key=lambda s: len(s.block_table))):
                 return True
         self.preempt(max(victims, key=lambda s: s.order))
         return True
 
     def preempt(self, seq: Sequence) -> None:
         """Free a sequence's blocks and slot; it recomputes everything when it resumes."""
-        self.settle()
+        self._settle_if(needs_room=True)
         self._remove(seq)
-        self.release_memory(seq)
-        seq.num_computed, seq.inflight, seq.block_hashes = 0, 0, []
-        seq.epoch += 1
-        if seq.prompt_logprobs is not None:
-            seq.prompt_logprobs = [None]  # scored again with the prompt
-        seq.status = Status.PREEMPTED
-        self.preempted.append(seq)
-        self.tel.count("preemptions")
+        self.parking.preempt(seq)
 
     # ---- views --------------------------------------------------------------------------
 
+    def publish_snapshot(self, new: list[Sequence] = ()) -> None:
+        """Phase 4, a finished request and an idle loop: what other threads read."""
+        self.tel.publish(phases.build_snapshot(
+            active=self.active, prefilling=self.prefilling, num_parked=self.parking.parked,
+            new=new, pending=self.pending, memory=self.memory, num_requests=len(self.requests),
+            steps_total=self.steps_total, now=self.clock.now()))
+
+    @property
+    def pool(self):
+        return self.memory.pool
+
+    @property
+    def slots(self):
+        return self.memory.slots
+
+    @property
+    def snapshots(self):
+        return self.memory.snapshots
+
+    @property
+    def spill(self) -> SpillBackend | None:
+        return self.parking.spill
+
+    @property
+    def swapped(self) -> list[Sequence]:
+        return self.parking.swapped
+
+    @property
+    def preempted(self) -> list[Sequence]:
+        return self.parking.preempted
+
     @property
     def is_idle(self) -> bool:
-        return not (self.active or self.prefilling or self.swapped or self.preempted
-                    or self.pending.queue or self.inflight)
+        return not (self.active or self.prefilling or self.parking or self.pending.waiting
+                    or self.inflight)
 
     @property
     def has_work(self) -> bool:
         return not self.is_idle
 
-    def snapshot_occupancy(self) -> tuple[int, int]:
-        return self.snapshots.used, self.snapshots.total
-
-    def live_sequences(self) -> list[Sequence]:
-        return self.active + self.prefilling
-
     def check_integrity(self) -> None:
         """No block owned twice, pool books balanced, slots and spill files accounted for."""
-        live = self.live_sequences()
-        self.pool.check_integrity({id(s): s.block_table for s in live})
-        held = [s.slot for s in live if s.slot]
-        if len(set(held)) != len(held) or self.slots.num_free + len(held) != \
-                self.slots.num_slots - 1:
-            raise AssertionError(f"SSM slots out of balance: held {sorted(held)}, "
-                                 f"{self.slots.num_free} free of {self.slots.num_slots - 1}")
-        if self.spill is not None:
-            spilled = sorted(swap.spill_key(s) for s in self.swapped)
-            if sorted(self.spill.keys()) != spilled:
-                raise AssertionError(f"spill directory {sorted(self.spill.keys())} != "
-                                     f"swapped sequences {spilled}")
-
+        self.memory.check_integrity(self.active + self.prefilling)
+        self.parking.check_integrity()

@@ -1,23 +1,21 @@
 """The pre-step phases of `plan_tick`, in the seed's order (see the package docstring).
 
-Each phase is a function of the state it needs; `SchedulerCore.plan_tick` calls them in
-order and marks each one's telemetry section.
+Each phase is a function of the parts it needs, never of the core; `SchedulerCore.plan_tick`
+calls them in order, marks each one's telemetry section, and acts on what they return
+(a rejected prompt is answered by the core, which owns the requests).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from metrale_jax.scheduler.levers import LeverValues
+from metrale_jax.scheduler.memory import Memory
 from metrale_jax.scheduler.policy import AdmissionPolicy
 from metrale_jax.scheduler.snapshot import SchedulerSnapshot
 from metrale_jax.scheduler.state import Pending
 from metrale_jax.sequence import Sequence
-
-if TYPE_CHECKING:
-    from metrale_jax.scheduler.core import SchedulerCore
 
 logger = logging.getLogger(__name__)
 
@@ -28,69 +26,72 @@ def drain_pending(pending: Pending, policy: AdmissionPolicy, levers: LeverValues
     if has_parked:
         return []
     room = levers.max_batch_size - num_running
-    if room <= 0 or not pending.queue:
+    if room <= 0 or not pending.waiting:
         return []
-    picked = policy.order(pending.queue)[:room]
+    picked = policy.order(pending.waiting)[:room]
     chosen = set(map(id, picked))
-    pending.queue = [s for s in pending.queue if id(s) not in chosen]
+    pending.waiting = [s for s in pending.waiting if id(s) not in chosen]
     return picked
 
 
-def gate_admissions(core: "SchedulerCore", new: list[Sequence]) -> list[Sequence]:
-    """Phase 2: hold back, in pending, what does not fit; reject what never can."""
-    levers = core.levers_now
-    pool, bs = core.pool, core.block_size
+def gate_admissions(new: list[Sequence], *, pending: Pending, memory: Memory,
+                    levers: LeverValues, spillable_blocks: int, busy: bool,
+                    max_seq_len: int) -> tuple[list[Sequence], list[tuple[Sequence, str]]]:
+    """Phase 2: hold back, in pending, what does not fit; reject what never can.
+    Returns (admitted, rejected with the reason)."""
+    pool = memory.pool
     usable = pool.num_usable
     watermark = int(levers.admit_watermark * usable)
     # Room: free blocks, plus what phase 7 or allocation can reclaim.
-    room = pool.num_free + pool.num_cached
-    if levers.swap_enabled and core.spill is not None:
-        room += sum(len(s.block_table) for s in core.active if s.grammar_state is None)
-    busy = bool(core.active or core.prefilling)
-    admitted, held = [], []
+    room = memory.reclaimable + spillable_blocks
+    admitted, held, rejected = [], [], []
     for seq in new:
         if held:  # keep the policy's order: nothing overtakes a held-back sequence
             held.append(seq)
             continue
         prompt_len = len(seq.prompt_ids)
-        if prompt_len >= core.max_seq_len:
-            core.fail_sequence(seq, f"prompt: {prompt_len} tokens do not fit max_seq_len="
-                                    f"{core.max_seq_len}; nothing was truncated")
+        if prompt_len >= max_seq_len:  # the front checks this too; the scheduler keeps its guard
+            rejected.append((seq, f"prompt: {prompt_len} tokens do not fit max_seq_len="
+                                  f"{max_seq_len}; nothing was truncated"))
             continue
-        needed = prompt_len // bs + 1
-        if core.runner_has_kv and needed > usable:
-            core.fail_sequence(seq, f"prompt: {prompt_len} tokens need {needed} KV blocks; "
-                                    f"the pool has {usable}")
+        needed = memory.prompt_blocks(seq)
+        if memory.has_kv and needed > usable:
+            rejected.append((seq, f"prompt: {prompt_len} tokens need {needed} KV blocks; "
+                                  f"the pool has {usable}"))
             continue
-        fits = not core.runner_has_kv or room - needed >= watermark or not (busy or admitted)
-        if not fits or not core.slots.num_free:
+        fits = not memory.has_kv or room - needed >= watermark or not (busy or admitted)
+        if not fits or not memory.slots.num_free:
             held.append(seq)
             continue
         room -= needed
         admitted.append(seq)
-    core.pending.queue[:0] = held
-    return admitted
+    pending.waiting[:0] = held
+    return admitted, rejected
 
 
-def build_snapshot(core: "SchedulerCore", new: list[Sequence]) -> SchedulerSnapshot:
-    """Phase 4: every field of the seed's snapshot."""
-    used, total = core.snapshot_occupancy()
+def build_snapshot(*, active: list[Sequence], prefilling: list[Sequence], num_parked: int,
+                   new: list[Sequence], pending: Pending, memory: Memory, num_requests: int,
+                   steps_total: int, now: float) -> SchedulerSnapshot:
+    """Phase 4: every field of the seed's snapshot, plus the live counts the server reads."""
+    pool = memory.pool
+    stats = pool.stats
     return SchedulerSnapshot(
-        active_seqs=len(core.active), prefilling_seqs=len(core.prefilling),
-        swapped_seqs=len(core.swapped) + len(core.preempted), pending_len=len(new),
-        waiting_len=len(core.pending.queue), kv_blocks_free=core.pool.num_free,
-        kv_blocks_cached=core.pool.num_cached, kv_blocks_total=core.pool.num_usable,
-        ssm_slots_used=used, ssm_slots_total=total, mtp_mode="off", delivered_tps=0.0,
-        steps_total=core.steps_total, published_at=core.clock.now())
+        active_seqs=len(active), prefilling_seqs=len(prefilling), swapped_seqs=num_parked,
+        pending_len=len(new), waiting_len=len(pending.waiting), kv_blocks_free=pool.num_free,
+        kv_blocks_cached=pool.num_cached, kv_blocks_total=pool.num_usable,
+        ssm_slots_used=memory.snapshots.used, ssm_slots_total=memory.snapshots.total,
+        mtp_mode="off", delivered_tps=0.0, steps_total=steps_total, published_at=now,
+        requests_len=num_requests, prefix_query_tokens=stats.prefix_query_tokens,
+        prefix_hit_tokens=stats.prefix_hit_tokens)
 
 
-def apply_rotations(core: "SchedulerCore", new: list[Sequence]) -> bool:
+def apply_rotations(pending: Pending, quiet: bool) -> bool:
     """Phase 5: queued adapter commands run only when nothing is in flight anywhere
-    (a parked sequence keeps the adapter it was prefilled under); each is acknowledged."""
-    quiet = not (core.active or core.prefilling or new or core.swapped or core.preempted)
-    if not quiet or not core.pending.rotations:
+    (`quiet`: a parked sequence keeps the adapter it was prefilled under); each is
+    acknowledged."""
+    if not quiet or not pending.rotations:
         return False
-    rotations, core.pending.rotations = core.pending.rotations, []
+    rotations, pending.rotations = pending.rotations, []
     for rotation in rotations:
         try:
             result, error = rotation.apply(), None
@@ -100,43 +101,31 @@ def apply_rotations(core: "SchedulerCore", new: list[Sequence]) -> bool:
     return True
 
 
-def should_shut_down(core: "SchedulerCore", new: list[Sequence], rotated: bool) -> bool:
+def should_shut_down(pending: Pending, idle: bool, poll: Callable[[], None]) -> bool:
     """Phase 6: on an idle tick that applied no rotation, poll the inbox without waiting;
     stop once it is closed and every accepted request is finished or answered."""
-    idle = not (rotated or new or core.active or core.prefilling or core.swapped
-                or core.preempted or core.pending.queue)
     if not idle:
         return False
-    core.absorb(core.inbox.recv(wait=False))
-    return core.pending.closed and not core.pending.queue and not core.pending.rotations
+    poll()
+    return pending.closed and not pending.waiting and not pending.rotations
 
 
-def swap_out_for_admissions(core: "SchedulerCore", new: list[Sequence],
+def swap_out_for_admissions(new: list[Sequence], *, active: list[Sequence], memory: Memory,
                             spill_one: Callable[[Sequence], bool]) -> None:
-    """Phase 7: make room for each admitted prompt. Reclaim cached prefix blocks first
-    (never the prefix this request will reuse; a prompt-logprobs request reuses nothing),
-    then spill the active sequence holding the most blocks, grammar-constrained ones
-    excluded. A failed spill stops spilling for this tick."""
-    if core.spill is None or not core.levers_now.swap_enabled:
-        return
-    usable = (lambda h: h in core.snapshots) if core.runner.has_ssm else None
+    """Phase 7 (spilling on): make room for each admitted prompt. Reclaim cached prefix
+    blocks first (never the prefix this request will reuse), then spill the active sequence
+    holding the most blocks, grammar-constrained ones excluded. A failed spill stops
+    spilling for this tick."""
     for seq in new:
-        reused = [] if seq.params.prompt_logprobs is not None else seq.prompt_ids
-
-        def reclaim() -> int:
-            # Spilled blocks with hashes land in the cache list, not the free list: reclaim
-            # again after every spill or the loop would spill more than it needs.
-            return core.pool.reclaim_prefix_blocks_for(
-                reused, seq.adapter_id, len(seq.prompt_ids) // core.block_size + 1,
-                usable).target
-
-        target = reclaim()
-        while core.pool.num_free < target and core.active:
-            candidates = [s for s in core.active if s.grammar_state is None]
+        # Spilled blocks with hashes land in the cache list, not the free list: reclaim
+        # again after every spill or the loop would spill more than it needs.
+        target = memory.reclaim_for(seq)
+        while memory.pool.num_free < target and active:
+            candidates = [s for s in active if s.grammar_state is None]
             if not candidates:
                 logger.warning("no swappable sequences (all grammar-constrained)")
                 break
             victim = max(candidates, key=lambda s: len(s.block_table))
             if not spill_one(victim):
                 return
-            target = reclaim()
+            target = memory.reclaim_for(seq)

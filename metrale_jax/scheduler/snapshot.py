@@ -1,4 +1,9 @@
-"""The scheduler snapshot: what `/metrics` and the admin API read (the seed's fields)."""
+"""The scheduler snapshot: what `/metrics` and the admin API read.
+
+The engine thread publishes one in phase 4 of every tick (the seed's fields, with the seed's
+names) and again before it blocks on an idle inbox, so readers on other threads never see
+counts the engine has moved past. The fields after `published_at` are ours, not the seed's.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +14,29 @@ import dataclasses
 class SchedulerSnapshot:
     active_seqs: int          # decoding
     prefilling_seqs: int
-    swapped_seqs: int         # parked: swapped to disk plus preempted for recompute
-    pending_len: int          # newly admitted this tick
-    waiting_len: int          # still held back in pending
+    swapped_seqs: int         # the seed's name for parked: swapped to disk plus preempted
+    pending_len: int          # the seed's name for admitted this tick
+    waiting_len: int          # accepted, still waiting for admission
     kv_blocks_free: int       # free list only: cached prefix blocks are not counted
     kv_blocks_cached: int     # unreferenced cached prefix blocks (reclaimable)
-    kv_blocks_total: int
+    kv_blocks_total: int      # usable blocks (the null block excluded)
     ssm_slots_used: int       # SSM snapshot pool occupancy
     ssm_slots_total: int
     mtp_mode: str             # "off" until the MTP gate exists
     delivered_tps: float      # from the MTP gate; 0.0 without one
-    steps_total: int
+    steps_total: int          # the seed's name for ticks run, idle ones included
     published_at: float
+    requests_len: int = 0           # accepted requests not yet finished
+    prefix_query_tokens: int = 0    # prompt tokens looked up in the prefix cache, ever
+    prefix_hit_tokens: int = 0      # of which found
+
+    @property
+    def running_seqs(self) -> int:
+        return self.active_seqs + self.prefilling_seqs
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_free - self.kv_blocks_cached
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,27 +1,14 @@
-"""What the tick loop holds between ticks, and what one tick plans."""
+"""What the tick loop holds between ticks besides sequences, and what one tick plans."""
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from metrale_jax.request import Request
 from metrale_jax.scheduler.inbox import Abort, Received
 from metrale_jax.sequence import Sequence
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """An accepted request: its sequences (n completions) and how it reports back."""
-
-    request_id: str
-    sequences: list[Sequence]
-    prompt_text: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.sequences)
 
 
 @dataclasses.dataclass
@@ -35,9 +22,11 @@ class Rotation:
 
 @dataclasses.dataclass
 class Pending:
-    queue: list[Sequence] = dataclasses.field(default_factory=list)
+    """The seed's `pending`: what arrived and is not yet admitted."""
+
+    waiting: list[Sequence] = dataclasses.field(default_factory=list)  # accepted sequences
     rotations: list[Rotation] = dataclasses.field(default_factory=list)
-    closed: bool = False
+    closed: bool = False  # the inbox closed: no new requests will come
 
     def absorb(self, received: Received, on_request: Callable[[Request], None],
                on_abort: Callable[[str], None]) -> None:
@@ -48,26 +37,18 @@ class Pending:
                 self.rotations.append(item)
             else:
                 on_request(item)
-                self.queue.extend(item.sequences)
+                self.waiting.extend(item.sequences)
         self.closed = self.closed or received.closed
 
 
-class LaneKind(enum.Enum):
-    START_PREFILLS = "start_prefills"
-    CONTINUE_PREFILLS = "continue_prefills"
-    DECODE = "decode"
-
-
-@dataclasses.dataclass
-class Lane:
-    kind: LaneKind
-    sequences: list[Sequence] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TickPlan:
-    lanes: list[Lane]
-    shutdown: bool = False
+    """What `plan_tick` hands the lanes. The seed's lanes are StartPrefills(admitted),
+    ContinuePrefills and Decode; the last two read the running lists, so only the first
+    carries data."""
+
+    admitted: list[Sequence] = dataclasses.field(default_factory=list)  # StartPrefills
+    shutdown: bool = False    # the inbox closed and nothing is left: the loop stops
 
 
 class OutputSink(Protocol):

@@ -1,0 +1,121 @@
+"""Memory: the KV block pool, the SSM state slots and the SSM snapshot pool, and what a
+sequence does with them (reuse a cached prefix, grow its table, commit full blocks to the
+prefix cache, snapshot its SSM state at a block boundary, give everything back).
+
+Host bookkeeping only: the one device effect, copying SSM state between slots, goes through
+the `copy_slots` the runner provides (ordered after every step already dispatched).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence as Seq
+
+from metrale_jax.cache.block_pool import BlockPool, SlotPool
+from metrale_jax.cache.prefix_hash import ROOT_HASH
+from metrale_jax.cache.ssm_snapshots import SnapshotPool
+from metrale_jax.sequence import Sequence
+
+
+class Memory:
+    def __init__(self, *, num_blocks: int, block_size: int, num_seq_slots: int,
+                 snapshot_slots: Seq[int], has_ssm: bool,
+                 copy_slots: Callable[[Seq[int], Seq[int]], None]):
+        self.block_size, self.has_ssm, self._copy_slots = block_size, has_ssm, copy_slots
+        self.pool = BlockPool(num_blocks, block_size)
+        self.slots = SlotPool(num_seq_slots)        # SSM state slot + future-token cell
+        self.snapshots = SnapshotPool(snapshot_slots)
+        self.has_kv = num_blocks > 1                # a pure-SSM model has no KV pool
+
+    # ---- queries ------------------------------------------------------------------------
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def prompt_blocks(self, seq: Sequence) -> int:
+        """Blocks a prompt needs, counting the first generated token's."""
+        return len(seq.prompt_ids) // self.block_size + 1
+
+    @property
+    def reclaimable(self) -> int:
+        """Free blocks plus unreferenced cached ones (evicted on demand)."""
+        return self.pool.num_free + self.pool.num_cached
+
+    def _snapshot_usable(self):
+        # On a hybrid model a cached KV prefix is only reusable with the SSM state there.
+        return (lambda h: h in self.snapshots) if self.has_ssm else None
+
+    # ---- a sequence's lifetime ------------------------------------------------------------
+
+    def admit(self, seq: Sequence, reuse_prefix: bool) -> None:
+        """A slot for a starting prefill and, when allowed, the cached prefix it can reuse."""
+        seq.slot = self.slots.allocate()
+        if not reuse_prefix:
+            return
+        match = self.pool.match_prefix(seq.prompt_ids, seq.adapter_id, self._snapshot_usable())
+        if not match.blocks:
+            return
+        self.pool.acquire(match.blocks)
+        seq.block_table = list(match.blocks)
+        seq.block_hashes = list(match.hashes)
+        seq.num_computed = match.num_tokens
+        if self.has_ssm:
+            self._copy_slots([self.snapshots.lookup(match.hashes[-1])], [seq.slot])
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Append blocks so the table covers `num_tokens` (tables only ever grow)."""
+        extra = self.blocks_for(num_tokens) - len(seq.block_table)
+        if extra <= 0:
+            return True
+        if not self.pool.can_allocate(extra):
+            return False
+        seq.block_table.extend(self.pool.allocate(extra))
+        return True
+
+    def commit_blocks(self, seq: Sequence) -> int:
+        """Offer the sequence's newly full blocks to the prefix cache: only blocks whose KV
+        is computed and whose tokens are all read back."""
+        known = min(seq.num_computed, len(seq.prompt_ids) + len(seq.output_ids))
+        bs, ids, added = self.block_size, None, 0
+        while (len(seq.block_hashes) + 1) * bs <= known:
+            ids = ids or seq.all_ids
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(self.pool.commit_block(
+                seq.block_table[i], parent if parent is not None else ROOT_HASH,
+                ids[i * bs:(i + 1) * bs], seq.adapter_id))
+            added += 1
+        return added
+
+    def snapshot_boundary(self, seq: Sequence) -> None:
+        """After a commit that ends exactly on the computed tokens, keep the SSM state there
+        (the copy runs after this step on the device)."""
+        if self.has_ssm and seq.num_computed == len(seq.block_hashes) * self.block_size:
+            slot = self.snapshots.reserve(seq.block_hashes[-1])
+            if slot is not None:
+                self._copy_slots([seq.slot], [slot])
+
+    def reclaim_for(self, seq: Sequence) -> int:
+        """Evict cached prefix blocks for an admitted prompt, never the prefix it will reuse
+        (a prompt-logprobs request reuses nothing); returns the free-block target."""
+        reused = [] if seq.params.prompt_logprobs is not None else seq.prompt_ids
+        return self.pool.reclaim_prefix_blocks_for(
+            reused, seq.adapter_id, self.prompt_blocks(seq), self._snapshot_usable()).target
+
+    def release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.pool.release(seq.block_table)
+            seq.block_table = []
+        if seq.slot:
+            self.slots.free(seq.slot)
+            seq.slot = 0
+
+    # ---- books ----------------------------------------------------------------------------
+
+    def check_integrity(self, live: Seq[Sequence]) -> None:
+        """No block owned twice, pool books balanced, every held slot accounted for."""
+        self.pool.check_integrity({id(s): s.block_table for s in live})
+        held = [s.slot for s in live if s.slot]
+        if len(set(held)) != len(held) or self.slots.num_free + len(held) != \
+                self.slots.num_slots - 1:
+            raise AssertionError(f"SSM slots out of balance: held {sorted(held)}, "
+                                 f"{self.slots.num_free} free of {self.slots.num_slots - 1}")

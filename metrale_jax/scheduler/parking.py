@@ -1,0 +1,157 @@
+"""Parking: sequences taken off the device to make room, and their way back.
+
+Two kinds of parked sequence (together "parked"; the seed's snapshot counts both as
+`swapped_seqs`):
+  swapped   — KV pages and SSM/conv state spilled through the runner (`jax.device_get`)
+              into one checksummed file set; swap-in reads them back into newly allocated
+              blocks and a slot, and the sequence continues exactly where it stopped.
+  preempted — blocks and slot freed; the sequence recomputes its prompt and outputs so far.
+A write that fails leaves the sequence where it was, untouched; a corrupt file fails that
+request alone. Parked sequences resume oldest first, before any new work is admitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+
+from metrale_jax.cache.spill import SpillBackend, SpillCorrupt, SpillError
+from metrale_jax.scheduler.memory import Memory
+from metrale_jax.sequence import Sequence, Status
+from metrale_jax.telemetry import Telemetry
+from metrale_jax.types import Runner
+
+logger = logging.getLogger(__name__)
+
+
+def spill_key(seq: Sequence) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", f"{seq.request_id}-{seq.index}-{seq.epoch}")[:128]
+
+
+@dataclasses.dataclass
+class Resumed:
+    """What one resume pass brought back (the core puts them in its running lists)."""
+
+    decoding: list[Sequence] = dataclasses.field(default_factory=list)    # swapped in
+    prefilling: list[Sequence] = dataclasses.field(default_factory=list)  # recompute
+    failed: list[tuple[Sequence, str]] = dataclasses.field(default_factory=list)
+
+
+class Parking:
+    def __init__(self, *, runner: Runner, memory: Memory, spill: SpillBackend | None,
+                 tel: Telemetry):
+        self.runner, self.memory, self.spill, self.tel = runner, memory, spill, tel
+        self.swapped: list[Sequence] = []
+        self.preempted: list[Sequence] = []
+
+    @property
+    def parked(self) -> int:
+        return len(self.swapped) + len(self.preempted)
+
+    def __bool__(self) -> bool:
+        return bool(self.swapped or self.preempted)
+
+    def remove(self, seq: Sequence) -> None:
+        for group in (self.swapped, self.preempted):
+            if seq in group:
+                group.remove(seq)
+
+    # ---- parking --------------------------------------------------------------------------
+
+    def swap_out(self, seq: Sequence) -> bool:
+        """Spill one decoding sequence; False (and nothing changed) when the store fails.
+        The caller takes it off its running list on True."""
+        assert seq.inflight == 0, "settle the pipeline before spilling"
+        slot = seq.slot if self.runner.has_ssm else None
+        arrays = self.runner.gather(seq.block_table, slot)
+        meta = {"request_id": seq.request_id, "index": seq.index,
+                "num_computed": seq.num_computed, "blocks": len(seq.block_table)}
+        try:
+            handle = self.spill.write(spill_key(seq), arrays, meta)
+        except SpillError as err:
+            logger.error("swap-out failed: %s", err)
+            self.tel.count("spill_failures")
+            return False
+        logger.info("swap-out: seq %s/%d (%d tokens, %d blocks) to disk", seq.request_id,
+                    seq.index, seq.num_computed, len(seq.block_table))
+        seq.spilled_blocks = len(seq.block_table)
+        self.memory.release(seq)
+        seq.spill = handle
+        seq.status = Status.SWAPPED
+        self.swapped.append(seq)
+        self.tel.count("spills")
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a sequence's blocks and slot; it recomputes everything when it resumes.
+        The caller has settled the pipeline and taken it off its running list."""
+        self.memory.release(seq)
+        seq.num_computed, seq.inflight, seq.block_hashes = 0, 0, []
+        seq.epoch += 1
+        if seq.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # scored again with the prompt
+        seq.status = Status.PREEMPTED
+        self.preempted.append(seq)
+        self.tel.count("preemptions")
+
+    def discard_spill(self, seq: Sequence) -> None:
+        if seq.spill is not None:
+            self.spill.remove(seq.spill)
+            seq.spill = None
+
+    # ---- resuming -------------------------------------------------------------------------
+
+    def resume(self, first_chunk: int) -> Resumed:
+        """Parked sequences come back oldest first while there is room."""
+        out = Resumed()
+        for seq in list(self.swapped):
+            if not self._swap_in(seq, out):
+                return out
+        for seq in list(self.preempted):
+            if not self._requeue(seq, first_chunk, out):
+                return out
+        return out
+
+    def _swap_in(self, seq: Sequence, out: Resumed) -> bool:
+        """Bring a swapped sequence back; False when there is no room yet."""
+        memory = self.memory
+        needed = seq.spilled_blocks
+        if not memory.pool.can_allocate(needed + 1) or not memory.slots.num_free:
+            return False
+        self.swapped.remove(seq)
+        try:
+            arrays, _ = self.spill.read(seq.spill)
+        except SpillCorrupt as err:
+            self.discard_spill(seq)
+            out.failed.append((seq, f"swap-in failed, the spilled state is unusable: {err}"))
+            return True
+        blocks = memory.pool.allocate(needed)
+        slot = memory.slots.allocate()
+        self.runner.scatter(arrays, blocks, slot if self.runner.has_ssm else None)
+        self.discard_spill(seq)
+        seq.block_table, seq.slot = blocks, slot
+        seq.block_hashes = []  # fresh blocks: committed again as they are read back
+        seq.status = Status.RUNNING
+        out.decoding.append(seq)
+        self.tel.count("swap_ins")
+        return True
+
+    def _requeue(self, seq: Sequence, first_chunk: int, out: Resumed) -> bool:
+        """A preempted sequence restarts as a prefill over its prompt and outputs so far."""
+        memory = self.memory
+        first = min(seq.virtual_len, first_chunk)
+        if not memory.pool.can_allocate(memory.blocks_for(first)) or not memory.slots.num_free:
+            return False
+        self.preempted.remove(seq)
+        seq.slot = memory.slots.allocate()
+        seq.status = Status.PREFILLING
+        out.prefilling.append(seq)
+        return True
+
+    def check_integrity(self) -> None:
+        if self.spill is not None:
+            spilled = sorted(spill_key(s) for s in self.swapped)
+            if sorted(self.spill.keys()) != spilled:
+                raise AssertionError(f"spill directory {sorted(self.spill.keys())} != "
+                                     f"swapped sequences {spilled}")

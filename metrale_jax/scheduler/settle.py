@@ -1,0 +1,27 @@
+"""When the host waits for the step running ahead of it: every reason, in one place.
+
+With the pipeline on, the host dispatches step N+1 (fed by step N's sampled tokens, still on
+the device) before it reads step N's results. Settling — waiting for the step ahead and
+committing its results — is needed only when what the host is about to do depends on them.
+"""
+
+from __future__ import annotations
+
+
+def must_settle(*, pipeline: bool = True, batch_changes: bool = False,
+                penalties: bool = False, needs_room: bool = False,
+                empty_batch: bool = False, stopping: bool = False) -> bool:
+    """True when any reason holds; each call site passes the reasons it can know:
+
+    pipeline      — False: the plain loop reads every step back before the next tick.
+    batch_changes — phase 3: this tick starts or continues a prefill or may resume a parked
+                    sequence (their chunks and memory depend on every token read back).
+    penalties     — a decoding sequence uses repetition/presence/frequency penalties: its
+                    token history goes to the device from the host.
+    needs_room    — a spill or preemption is about to free a sequence's memory: no step may
+                    still be writing to it, and its counts must be final.
+    empty_batch   — nothing to dispatch: nothing to overlap the read-back with.
+    stopping      — the loop stops, or a caller drains the engine (`LLMEngine.drain`).
+    """
+    return (not pipeline or batch_changes or penalties or needs_room or empty_batch
+            or stopping)

@@ -1,0 +1,118 @@
+"""The contract between the scheduler (host) and the runner (device): host only, no jax.
+
+Going down, one `ScheduledRow` per sequence in the step (DESIGN's `SchedulerOutput`, one row
+of it); coming back, one `RowResult` per row; in between, the opaque `StepHandle` of a step
+dispatched and not yet read back. `Runner` is everything the scheduler asks of a runner: the
+real `ModelRunner` and the tests' `FakeRunner` both satisfy it. The scheduler imports this
+module, never the runner's implementation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """Host-side sampling settings of one row (plain Python values; the runner packs them
+    into per-row device arrays, so changing one never recompiles)."""
+
+    temperature: float = 0.0          # 0.0: greedy
+    top_k: int = 0                    # 0: off
+    top_p: float = 1.0                # 1.0: off
+    min_p: float = 0.0                # 0.0: off
+    seed: int = 0                     # the sequence's seed; with `counter`, its random stream
+    counter: int = 0                  # tokens sampled so far: a fresh draw per position
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    prompt_ids: Sequence[int] = ()    # history for the penalties (only read when one is on)
+    output_ids: Sequence[int] = ()
+    logit_bias: Mapping[int, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
+    def uses_filters(self) -> bool:
+        return self.temperature > 0.0 and (self.top_k > 0 or self.top_p < 1.0
+                                           or self.min_p > 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRow:
+    """One sequence's share of a step (scheduler -> runner).
+
+    The first four fields are what the runner's batch builder reads (the same as its bare
+    `RowChunk`); the rest say what to sample and score. Features that add to a row (MTP
+    drafts, grammar masks, LoRA adapters) add a field here.
+    """
+
+    tokens: Sequence[int]             # token ids to run; -slot: the token still on the device
+                                      # in that slot's future cell (pipelined decode)
+    start: int                        # tokens of this sequence already in the caches
+    block_table: Sequence[int]        # physical KV blocks covering at least start+len(tokens)
+    ssm_slot: int = 0                 # SSM state slot (and future-token cell); 0: null slot
+    sampling: RowSampling = RowSampling()
+    # Prompt-logprob targets for this chunk's positions: the token that follows each one
+    # (-1 where there is none or it is not wanted). Empty when not asked for.
+    targets: Sequence[int] = ()
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclasses.dataclass
+class RowResult:
+    """What one row's step produced (runner -> scheduler), as numpy on the host."""
+
+    token: int                        # the sampled token (meaningful when the row samples)
+    logprob: float                    # its logprob
+    rank: int                         # its rank in the distribution (1: most likely)
+    top_ids: np.ndarray               # [num_top] top-n token ids
+    top_logprobs: np.ndarray          # [num_top]
+    prompt_logprobs: np.ndarray | None = None      # [chunk] logprob of each target
+    prompt_ranks: np.ndarray | None = None         # [chunk]
+    prompt_top_ids: np.ndarray | None = None       # [chunk, num_top]
+    prompt_top_logprobs: np.ndarray | None = None  # [chunk, num_top]
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A dispatched step: its rows, and the runner's output not yet read back."""
+
+    rows: list[ScheduledRow]
+    out: Any                          # the runner's own (device) output; opaque here
+
+
+class Runner(Protocol):
+    """What the scheduler needs of a runner."""
+
+    num_blocks: int                   # KV blocks, the null block 0 included
+    num_seq_slots: int                # SSM/future slots for sequences, the null slot included
+
+    @property
+    def has_ssm(self) -> bool: ...
+
+    def dispatch(self, rows: Sequence[ScheduledRow]) -> StepHandle:
+        """Start a step; returns at once."""
+
+    def collect(self, handle: StepHandle) -> list[RowResult]:
+        """Wait for a dispatched step; one result per row."""
+
+    def gather(self, blocks: Sequence[int], slot: int | None) -> dict[str, np.ndarray]:
+        """A sequence's KV pages (and SSM slot) on the host, for a spill."""
+
+    def scatter(self, arrays: dict[str, np.ndarray], blocks: Sequence[int],
+                slot: int | None) -> None:
+        """A spilled sequence's state back into new blocks and slot."""
+
+    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy SSM state slots (snapshots), ordered after every step dispatched."""
