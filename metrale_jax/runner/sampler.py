@@ -151,13 +151,51 @@ def penalize(
     return logits - p.presence_penalty[:, None] * (out_counts > 0)
 
 
-def filter_logits(
+# Sampling filters without a full sort.
+#
+# `filter_logits_reference` is the old definition: sort the row, keep the prefix that
+# min_p, top_k and then top_p (on the renormalized remainder) allow, and keep every token
+# tied with the last kept value. Its result is a per-row value threshold. The fast version
+# computes the same threshold from the top `candidates + 1` values of each row
+# (`lax.top_k`), which hold the whole sorted prefix the reference looks at whenever the
+# pre-top_p set fits in `candidates` tokens; it then runs the reference's own arithmetic
+# (softmax over the same prefix, cumsum) on that short prefix. A row whose pre-top_p set is
+# larger (top_k off or > candidates, with a loose min_p) is still exact without a sort when
+#   - top_p is off and top_k is off: the kept set is {x >= max + log(min_p)};
+#   - top_k is off and the top `candidates` tokens already hold top_p of the mass (the
+#     normalizer is then a sum over the full row, no order needed);
+# and otherwise ("slow" rows: the nucleus is wider than the candidates, or
+# candidates < top_k < V) the threshold comes from an exact bisection over the float32 bit
+# patterns of the row (32 passes; no sort), run only when some row needs it.
+
+FILTER_CANDIDATES = 64
+_BISECT_STEPS = 32  # int32 keys: the interval halves each step, so 32 steps pin one float
+
+
+def _float_key(x: Float[Array, "..."]) -> Int[Array, "..."]:
+    """int32 key with the order of the float32 values (-0.0 just below +0.0)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits >= 0, bits, bits ^ jnp.int32(0x7FFFFFFF))
+
+
+def _key_float(key: Int[Array, "..."]) -> Float[Array, "..."]:
+    bits = jnp.where(key >= 0, key, key ^ jnp.int32(0x7FFFFFFF))
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _mid(lo: Int[Array, "S"], hi: Int[Array, "S"]) -> Int[Array, "S"]:
+    """floor((lo + hi) / 2) without int32 overflow; lo < mid < hi unless hi <= lo + 1."""
+    return (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+
+
+def filter_logits_reference(
     scaled: Float[Array, "S V"],
     top_k: Int[Array, "S"],
     top_p: Float[Array, "S"],
     min_p: Float[Array, "S"],
 ) -> Float[Array, "S V"]:
-    """min_p, then top_k, then top_p on the renormalized remainder; excluded
+    """The definition the fast `filter_logits` reproduces (one full sort per row):
+    min_p, then top_k, then top_p on the renormalized remainder; excluded
     logits become -inf. Every filter keeps a prefix of the descending order, so
     one sort suffices and the result is a per-row value threshold (tokens tied
     with the last kept value are kept too)."""
@@ -176,6 +214,149 @@ def filter_logits(
     last = jnp.sum(keep, axis=-1, keepdims=True) - 1
     threshold = jnp.take_along_axis(sorted_desc, last, axis=-1)
     return jnp.where(scaled >= threshold, scaled, _NEG_INF)
+
+
+
+def _bisect_thresholds(
+    scaled: Float[Array, "S V"],
+    k: Int[Array, "S"],
+    top_p: Float[Array, "S"],
+    min_logit: Float[Array, "S"],
+    row_max: Float[Array, "S"],
+) -> Float[Array, "S"]:
+    """The reference's threshold for every row, by bisection over float32 keys.
+
+    The kept set is {x >= T}. Before top_p it is the first n0 = min(k, #{x >= min_logit})
+    sorted positions; its lowest value L is the k-th largest value (found as the largest t
+    with #{x >= t} >= k) when top_k binds, else min_logit works as the cut. top_p keeps
+    position i iff the mass before it is < top_p, and ties with the last kept value are kept,
+    so T is the smallest t in [L, max] with mass{x > t} < top_p (max when there is none):
+    mass{x > t} is a fixed-order sum of non-negative terms, monotone in t, and only changes at
+    row values, so bisection over the int32 keys ends exactly on a row value (or on L)."""
+    # Keys of +0.0 for every value that compares equal to zero (-0.0, and subnormals
+    # where the platform flushes them), so that key order is the float comparison order.
+    keys = _float_key(jnp.where(scaled == 0.0, 0.0, scaled))  # [S, V]
+    n_min = jnp.sum(scaled >= min_logit[:, None], axis=-1)  # [S]
+    by_k = k < n_min  # [S] top_k, not min_p, ends the pre-top_p set
+
+    def kth_largest(_) -> Float[Array, "S"]:
+        lo = jnp.min(keys, axis=-1)  # #{x >= lo} = V >= k
+        hi = jnp.max(keys, axis=-1) + 1  # #{x >= hi} = 0 < k
+
+        def step(_, bounds):
+            lo, hi = bounds
+            mid = _mid(lo, hi)
+            # mid == lo once hi == lo + 1: converged, keep the bounds.
+            ok = (jnp.sum(keys >= mid[:, None], axis=-1) >= k) | (mid == lo)
+            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+        lo, _ = jax.lax.fori_loop(0, _BISECT_STEPS, step, (lo, hi))
+        return _key_float(lo)
+
+    t_k = jax.lax.cond(jnp.any(by_k), kth_largest, lambda _: row_max, None)  # [S]
+    lower = jnp.where(by_k, t_k, min_logit)  # [S]
+    e = jnp.exp(scaled - row_max[:, None])  # [S, V]
+    above_k = scaled > t_k[:, None]
+    # The reference's top_k set holds only k of the values tied at T_k.
+    ties = (k - jnp.sum(above_k, axis=-1)).astype(e.dtype)
+    z_k = jnp.sum(jnp.where(above_k, e, 0.0), axis=-1) + ties * jnp.exp(t_k - row_max)
+    z_min = jnp.sum(jnp.where(scaled >= min_logit[:, None], e, 0.0), axis=-1)
+    probs = e / jnp.where(by_k, z_k, z_min)[:, None]  # [S, V]
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = _mid(lo, hi)
+        ok = jnp.sum(jnp.where(keys > mid[:, None], probs, 0.0), axis=-1) < top_p
+        ok &= mid != lo  # converged (hi == lo + 1): keep the bounds
+        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+    # Invariant: hi is the answer if no smaller key is; keys in (lo, hi) are untested.
+    lower_key = _float_key(jnp.where(lower == 0.0, 0.0, lower))
+    _, hi = jax.lax.fori_loop(
+        0, _BISECT_STEPS, step, (lower_key - 1, jnp.max(keys, axis=-1))
+    )
+    return jnp.where(top_p >= 1.0, lower, _key_float(hi))
+
+
+def _filter_thresholds(
+    scaled: Float[Array, "S V"],
+    top_k: Int[Array, "S"],
+    top_p: Float[Array, "S"],
+    min_p: Float[Array, "S"],
+    candidates: int,
+) -> tuple[Float[Array, "S"], Float[Array, "S W"], Int[Array, "S W"], Bool[Array, "S"]]:
+    """Per-row threshold T of `filter_logits_reference` (kept set = {x >= T}), the top W =
+    min(candidates + 1, V) values and ids of each row, and whether every kept token is among
+    those candidates."""
+    n_rows, vocab = scaled.shape
+    cap = max(1, min(candidates, vocab))
+    width = min(cap + 1, vocab)
+    # [S, W] descending, = the sort's prefix. The barrier keeps XLA from moving uses of
+    # the result into the conds below, which would stop it from matching the sort it
+    # expands top_k into back to its TopK kernel (CPU): a full sort, 30-50x slower.
+    vals, ids = jax.lax.optimization_barrier(jax.lax.top_k(scaled, width))
+    pos = jnp.arange(width)[None, :]
+    k = jnp.where(top_k <= 0, vocab, jnp.minimum(top_k, vocab))  # [S]
+    min_logit = vals[:, 0] + jnp.log(min_p)  # [S]
+    keep0 = (pos < k[:, None]) & (vals >= min_logit[:, None])  # [S, W] pre-top_p prefix
+    p_off = top_p >= 1.0  # [S]
+    k_off = k >= vocab  # [S]
+    if width > cap:
+        overflow = keep0[:, cap]  # the pre-top_p set has more than `cap` tokens
+    else:
+        overflow = jnp.zeros((n_rows,), bool)
+    # Rows whose pre-top_p set is {x >= min_logit} but larger than the candidates: the
+    # normalizer is a full-row sum (its order differs from the sort's; rounding only).
+    wide_p = overflow & k_off & ~p_off  # [S]
+
+    def full_norm(_) -> Float[Array, "S"]:
+        e = jnp.exp(scaled - vals[:, :1])
+        return jnp.sum(jnp.where(scaled >= min_logit[:, None], e, 0.0), axis=-1)
+
+    z = jax.lax.cond(
+        jnp.any(wide_p), full_norm, lambda _: jnp.ones((n_rows,), scaled.dtype), None
+    )
+    # Where the pre-top_p set fits, this is the reference's arithmetic on its prefix.
+    probs = jax.nn.softmax(jnp.where(keep0, vals, _NEG_INF), axis=-1)  # [S, W]
+    probs = jnp.where(wide_p[:, None], jnp.exp(vals - vals[:, :1]) / z[:, None], probs)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = keep0 & ((mass_before < top_p[:, None]) | p_off[:, None])
+    keep |= pos == 0
+    last = jnp.sum(keep, axis=-1, keepdims=True) - 1
+    threshold = jnp.take_along_axis(vals, last, axis=-1)[:, 0]  # [S]
+    # top_k and top_p off: {x >= min_logit}, however many tokens that is.
+    threshold = jnp.where(overflow & k_off & p_off, min_logit, threshold)
+    if width > cap:
+        # The nucleus may run past the candidates, or top_k cuts beyond them.
+        slow = overflow & (~k_off | (~p_off & keep[:, cap]))  # [S]
+        threshold = jax.lax.cond(
+            jnp.any(slow),
+            lambda thr: jnp.where(
+                slow, _bisect_thresholds(scaled, k, top_p, min_logit, vals[:, 0]), thr
+            ),
+            lambda thr: thr,
+            threshold,
+        )
+        in_candidates = vals[:, cap] < threshold
+    else:
+        in_candidates = jnp.ones((n_rows,), bool)
+    return threshold, vals, ids.astype(jnp.int32), in_candidates
+
+
+def filter_logits(
+    scaled: Float[Array, "S V"],
+    top_k: Int[Array, "S"],
+    top_p: Float[Array, "S"],
+    min_p: Float[Array, "S"],
+    *,
+    candidates: int = FILTER_CANDIDATES,
+) -> Float[Array, "S V"]:
+    """min_p, then top_k, then top_p on the renormalized remainder; excluded logits
+    become -inf; tokens tied with the last kept value are kept. Same kept set as
+    `filter_logits_reference`, without sorting the vocabulary: see `_filter_thresholds`.
+    `candidates` (static) is how many top values per row the fast path looks at."""
+    threshold, _, _, _ = _filter_thresholds(scaled, top_k, top_p, min_p, candidates)
+    return jnp.where(scaled >= threshold[:, None], scaled, _NEG_INF)
 
 
 def row_keys(seeds: Int[Array, "S"], counters: Int[Array, "S"]) -> Array:
@@ -226,14 +407,44 @@ def sample(
 
     def draw(_):
         temp = jnp.where(is_greedy, 1.0, params.temperature)[:, None]
-        scaled = processed / temp
-        if apply_filters:
-            scaled = filter_logits(scaled, params.top_k, params.top_p, params.min_p)
+        scaled = processed / temp  # [S, V]
         keys = row_keys(params.seeds, params.counters)
-        drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        categorical = jax.vmap(jax.random.categorical)
+        if not apply_filters:
+            drawn = categorical(keys, scaled).astype(jnp.int32)
+            return jnp.where(is_greedy, greedy_tokens, drawn)
+        # Only sampled rows that ask for a filter are filtered; the others get neutral
+        # values (threshold -inf), so their draw is the unfiltered one.
+        filters = ~is_greedy & (
+            (params.top_k > 0) | (params.top_p < 1.0) | (params.min_p > 0.0)
+        )
+        threshold, vals, ids, in_candidates = _filter_thresholds(
+            scaled,
+            jnp.where(filters, params.top_k, 0),
+            jnp.where(filters, params.top_p, 1.0),
+            jnp.where(filters, params.min_p, 0.0),
+            FILTER_CANDIDATES,
+        )
+        # A filtered row whose kept set lies inside its candidates draws among them (the
+        # same softmax over the same kept logits, W noise values instead of V); which path
+        # a row takes depends only on that row, so draws stay independent of the batch.
+        short = filters & in_candidates  # [S]
+        kept = jnp.where(vals >= threshold[:, None], vals, _NEG_INF)  # [S, W]
+        pick = categorical(keys, kept)[:, None]
+        short_tokens = jnp.take_along_axis(ids, pick, axis=-1)[:, 0]
+        full = ~is_greedy & ~short
+
+        def full_draw(_):
+            masked = jnp.where(scaled >= threshold[:, None], scaled, _NEG_INF)
+            return categorical(keys, masked).astype(jnp.int32)
+
+        full_tokens = jax.lax.cond(
+            jnp.any(full), full_draw, lambda _: greedy_tokens, None
+        )
+        drawn = jnp.where(short, short_tokens, full_tokens)
         return jnp.where(is_greedy, greedy_tokens, drawn)
 
-    # An all-greedy batch (the common case) skips the sort and the noise.
+    # An all-greedy batch (the common case) skips the filters and the noise.
     tokens = jax.lax.cond(
         jnp.all(is_greedy), lambda _: greedy_tokens, draw, operand=None
     )
