@@ -68,3 +68,11 @@ def test_engine_greedy_equals_the_reference():
                       LLM(**engine, kernel_backend=backend).generate(prompts, greedy)]
             for backend in ("auto", "xla")}
     assert runs["auto"] == runs["xla"] and all(len(t) == 6 for t in runs["xla"])
+
+
+def test_loading_the_library_keeps_subnormals():
+    # Linked with -ffast-math, gcc's crtfastmath.o would turn on flush-to-zero for the whole
+    # process when the library loads, silently changing every other float computation.
+    assert build.load() is not None
+    tiny = np.finfo(np.float32).smallest_subnormal
+    assert np.float32(tiny) * np.float32(1.0) != 0.0

@@ -24,9 +24,13 @@ logger = logging.getLogger(__name__)
 SOURCES = sorted(pathlib.Path(__file__).parent.glob("*.cc"))
 CACHE_DIR = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")
                          ) / "metrale_jax" / "cpu_kernels"
-# -ffast-math lets the exps vectorize; the kernels keep every value finite for it.
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC",
-         "-std=c++17", "-w"]
+# -ffast-math lets the exps vectorize (the kernels keep every value finite for it), but only
+# when compiling: linked with it, gcc adds crtfastmath.o, whose constructor turns on
+# flush-to-zero for the whole process the moment the library loads. So: compile, then link.
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC",
+                 "-std=c++17", "-w"]
+LINK_FLAGS = ["-shared", "-lmvec", "-lm"]
+FLAGS = COMPILE_FLAGS + LINK_FLAGS
 # name in XLA -> symbol in the library
 TARGETS = {"metrale_paged_attention": "MetralePagedAttention"}
 
@@ -63,15 +67,25 @@ def _compile(out: pathlib.Path, include: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
+    with tempfile.TemporaryDirectory(dir=out.parent) as objects:
+        try:
+            objs = []
+            for src in SOURCES:
+                obj = os.path.join(objects, src.stem + ".o")
+                _run([compiler, *COMPILE_FLAGS, f"-I{include}", "-c", str(src), "-o", obj])
+                objs.append(obj)
+            _run([compiler, *objs, *LINK_FLAGS, "-o", tmp])
+            os.replace(tmp, out)  # atomic: a concurrent process sees the old file or the new
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def _run(command: list[str]) -> None:
     try:
-        subprocess.run([compiler, *FLAGS, f"-I{include}", *map(str, SOURCES), "-o", tmp],
-                       check=True, capture_output=True, text=True, timeout=300)
-        os.replace(tmp, out)  # atomic: a concurrent process sees the old file or the new one
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
     except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"{compiler} failed: {e.stderr.strip()[-2000:]}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        raise RuntimeError(f"{command[0]} failed: {e.stderr.strip()[-2000:]}") from e
 
 
 @functools.cache

@@ -101,15 +101,20 @@ def paged_attention(
         return m_next, l_next, acc
 
     # Visit only the columns some row needs: up to the longest context in the batch, from the
-    # first block any sliding window still sees.
+    # first block any sliding window still sees. The loop's bounds stay static (so training
+    # can differentiate through it) and the columns outside are skipped by a cond.
     end = jnp.minimum((jnp.max(lens) + bs - 1) // bs, dims.max_blocks)
     start = 0
     if sliding_window is not None:
         valid_pos = jnp.where(lens[:, None] > 0, q_positions, jnp.iinfo(jnp.int32).max)
         start = jnp.clip(jnp.min(valid_pos) - sliding_window + 1, 0) // bs
+
+    def maybe_visit(j, carry):
+        return jax.lax.cond((j >= start) & (j < end), visit, lambda _, c: c, j, carry)
+
     init = (jnp.full((s, kvh, rows), MASKED, jnp.float32), jnp.zeros((s, kvh, rows), jnp.float32),
             jnp.zeros((s, kvh, rows, hd), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(start, end, visit, init)
+    _, l, acc = jax.lax.fori_loop(0, dims.max_blocks, maybe_visit, init)
     # A row that sees no key (padding) has l == 0: zeros rather than NaN.
     out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
     out = out.reshape(s, kvh, nq, group, hd).transpose(0, 2, 1, 3, 4)
