@@ -138,13 +138,14 @@ class AsyncLLM:
 
     def submit(self, prompt: PromptInput, params: SamplingParams, *, queue: asyncio.Queue,
                key: Hashable | None = None, request_id: str | None = None,
-               priority: int = 0) -> str:
+               priority: int = 0, max_tokens_must_fit: bool = True) -> str:
         """Submit one request whose deltas go to `queue` (on the running event loop), each
         as `(key, delta)` when a key is given, then `None` (or `(key, None)`) once it is
         finished. The caller decodes logprobs (`decode_logprobs`) and aborts what it leaves.
         Raises RequestError (bad input) or RuntimeError (shutting down)."""
         request = self.engine.make_request(prompt, params, priority=priority,
-                                           request_id=request_id)
+                                           request_id=request_id,
+                                           max_tokens_must_fit=max_tokens_must_fit)
         if request.request_id in self._sink.targets:  # never re-point a live request's queue
             raise RequestError(f"request_id: {request.request_id!r} is already in flight")
         self._sink.targets[request.request_id] = _Target(asyncio.get_running_loop(), queue,

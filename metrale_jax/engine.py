@@ -19,7 +19,7 @@ from metrale_jax.cache.spill import SpillStore
 from metrale_jax.config import EngineConfig
 from metrale_jax.loader.resolve import load
 from metrale_jax.outputs import RequestOutput
-from metrale_jax.request import Request, RequestError, SamplingParams
+from metrale_jax.request import Request, RequestError, SamplingParams, check_context
 from metrale_jax.runner.model_runner import ModelRunner
 from metrale_jax.scheduler.core import SchedulerCore
 from metrale_jax.scheduler.levers import Levers, LeverValues
@@ -128,15 +128,13 @@ class LLMEngine:
                            f"{type(prompt).__name__}")
 
     def make_request(self, prompt: PromptInput, params: SamplingParams, *, priority: int = 0,
-                     request_id: str | None = None) -> Request:
+                     request_id: str | None = None, max_tokens_must_fit: bool = False,
+                     ) -> Request:
         """Validate and tokenize where the request enters; the loop gets a clean Request."""
         text, ids = self.prompt_ids(prompt)
         max_len = self.engine_config.max_seq_len
-        if not ids:
-            raise RequestError("prompt: is empty")
-        if len(ids) >= max_len:
-            raise RequestError(f"prompt: {len(ids)} tokens leave no room to generate within "
-                               f"max_seq_len={max_len}")
+        check_context(len(ids), params.max_tokens, max_len,
+                      max_tokens_must_fit=max_tokens_must_fit)
         params.check_against(self.model_config.vocab_size, self.engine_config.max_logprobs)
         request_id = request_id or str(next(self._ids))
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)

@@ -19,6 +19,24 @@ class RequestError(ValueError):
     """A request is invalid; raised where it enters, naming the field."""
 
 
+def check_context(prompt_len: int, max_tokens: int | None, max_seq_len: int, *,
+                  max_tokens_must_fit: bool) -> None:
+    """The one check of a prompt (and its max_tokens) against the context, made where a
+    request enters (`LLMEngine.make_request`). The OpenAI server asks that max_tokens fit
+    too (vLLM's rule: an error, never a silent cut); offline, generation stops at the context
+    end with finish reason "length"."""
+    if prompt_len == 0:
+        raise RequestError("prompt: is empty")
+    if prompt_len >= max_seq_len:
+        raise RequestError(f"prompt: {prompt_len} tokens leave no room to generate within "
+                           f"this model's maximum context length of {max_seq_len} tokens "
+                           f"(max_seq_len)")
+    if max_tokens_must_fit and max_tokens is not None and prompt_len + max_tokens > max_seq_len:
+        raise RequestError(f"max_tokens: this model's maximum context length is {max_seq_len} "
+                           f"tokens; you asked for {max_tokens} tokens after a prompt of "
+                           f"{prompt_len}")
+
+
 @dataclasses.dataclass
 class SamplingParams:
     n: int = 1

@@ -45,8 +45,6 @@ class Generation:
                 text, ids = llm.prompt_ids(prompt)
             except RequestError as err:
                 raise from_request_error(err) from None
-            if not ids:
-                raise APIError(400, "prompt: is empty", param="prompt")
             plans.append((text, ids, parsed.params_for(len(ids), state.limits)))
         state.require_serving()
         state.admit(self.num_seqs)

@@ -139,12 +139,12 @@ class ParsedRequest:
     continuous_usage: bool = False
 
     def params_for(self, prompt_len: int, limits: "Limits") -> SamplingParams:
-        """The sampling parameters for one prompt, its length checked against the context."""
+        """The sampling parameters for one prompt (the engine checks them against the
+        context where the request enters: `metrale_jax.request.check_context`)."""
         params = self.params
         if params.max_tokens is None and self.default_max_tokens is not None:
             room = max(1, limits.max_seq_len - prompt_len)
             params = dataclasses.replace(params, max_tokens=min(self.default_max_tokens, room))
-        check_room(prompt_len, params, limits)
         return params
 
 
@@ -373,14 +373,3 @@ def parse_chat(body: dict, limits: Limits) -> tuple[ParsedRequest, list[dict], d
     parsed = ParsedRequest([], params, stream, include_usage, False,
                            get_int(body, "priority", 0), logprobs, continuous_usage=continuous)
     return parsed, messages, options
-
-
-def check_room(prompt_len: int, params: SamplingParams, limits: Limits) -> None:
-    """A max_tokens the context cannot hold is an error (vLLM's), never a silent cut."""
-    if prompt_len >= limits.max_seq_len:
-        raise bad("prompt", f"{prompt_len} tokens leave no room to generate within this "
-                            f"model's maximum context length of {limits.max_seq_len} tokens")
-    if params.max_tokens is not None and prompt_len + params.max_tokens > limits.max_seq_len:
-        raise bad("max_tokens", f"this model's maximum context length is {limits.max_seq_len} "
-                                f"tokens; you asked for {params.max_tokens} tokens after a "
-                                f"prompt of {prompt_len}")
