@@ -30,14 +30,20 @@ def _params(rows):
     return (np.asarray(k, np.int32), np.asarray(p, np.float32), np.asarray(m, np.float32))
 
 
-def _mass_above(scaled: np.ndarray, top_k: int, min_p: float, values: np.ndarray) -> np.ndarray:
-    """float64 mass, within the renormalized min_p/top_k set, strictly above each value."""
+def _min_p_top_k_set(scaled: np.ndarray, top_k: int, min_p: float):
+    """float64, descending: the values, which survive min_p and top_k, their renormalized
+    weights."""
     v = scaled.size
     srt = np.sort(scaled.astype(np.float64))[::-1]
     keep = np.arange(v) < (v if top_k <= 0 else min(top_k, v))
     keep &= srt >= srt[0] + (np.log(min_p) if min_p > 0 else -np.inf)
     w = np.where(keep, np.exp(srt - srt[0]), 0.0)
-    w /= w.sum()
+    return srt, keep, w / w.sum()
+
+
+def _mass_above(scaled: np.ndarray, top_k: int, min_p: float, values: np.ndarray) -> np.ndarray:
+    """float64 mass, within the renormalized min_p/top_k set, strictly above each value."""
+    srt, _, w = _min_p_top_k_set(scaled, top_k, min_p)
     return np.array([w[srt > x].sum() for x in values])
 
 
@@ -163,12 +169,7 @@ def _chi2_ok(tokens: np.ndarray, probs: np.ndarray) -> bool:
 def _exact_probs(scaled: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
     """The definition, in float64 numpy: min_p, top_k, top_p on the renormalized rest,
     ties with the last kept value kept; softmax over the kept set."""
-    v = scaled.size
-    srt = np.sort(scaled.astype(np.float64))[::-1]
-    keep = np.arange(v) < (v if top_k <= 0 else min(top_k, v))
-    keep &= srt >= srt[0] + (np.log(min_p) if min_p > 0 else -np.inf)
-    w = np.where(keep, np.exp(srt - srt[0]), 0.0)
-    w /= w.sum()
+    srt, keep, w = _min_p_top_k_set(scaled, top_k, min_p)
     keep &= (np.cumsum(w) - w < top_p) | (top_p >= 1.0)
     keep[0] = True
     thr = srt[keep].min()
