@@ -138,9 +138,10 @@ async def _stream_completion(state, gen: Generation, fold: Fold, deltas, sse: SS
                 for token, entries in zip(delta.token_ids, delta.logprobs or []):
                     logs[choice.index].add(token, entries, state.llm.token_text)
             logprobs = logs[choice.index].as_dict(choice.sent_tokens)
-            choice.sent_tokens = len(logs[choice.index].tokens)
         if not text and delta.finish_reason is None and not first:
-            continue
+            continue  # nothing to show yet: its logprob entries go with the next chunk
+        if logprobs is not None:
+            choice.sent_tokens = len(logs[choice.index].tokens)
         choice.started = True
         finish, stop_reason = finish_fields(choice, ()) if delta.finish_reason else (None, None)
         body = {"id": gen.request_id, "object": "text_completion", "created": created,

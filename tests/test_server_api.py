@@ -82,6 +82,23 @@ async def test_streamed_text_equals_non_streamed_for_a_seed(client):
     assert again["choices"][0]["text"] == whole["choices"][0]["text"]
 
 
+async def test_streamed_logprobs_equal_non_streamed_when_text_is_held_back(client):
+    # Text that could still become a stop string is held back, so some chunks carry tokens
+    # but no text; their logprob entries used to be dropped from the stream.
+    body = {"prompt": "To be, or not to be, that is the question:", "max_tokens": 32,
+            "temperature": 0.8, "seed": 20, "logprobs": 2, "ignore_eos": True,
+            "stop": [" the end of the play", "\n\n\n\n"]}
+    whole = (await post(client, "/v1/completions", body))["choices"][0]
+    events = await sse_events(await client.post("/v1/completions",
+                                                json={**body, "stream": True}))
+    tokens = [t for e in events for c in e["choices"] if c["logprobs"]
+              for t in c["logprobs"]["tokens"]]
+    logprobs = [x for e in events for c in e["choices"] if c["logprobs"]
+                for x in c["logprobs"]["token_logprobs"]]
+    assert tokens == whole["logprobs"]["tokens"]
+    assert logprobs == whole["logprobs"]["token_logprobs"]
+
+
 async def test_continuous_usage_counts_tokens_chunk_by_chunk(client):
     body = {"prompt": [5, 9, 41, 7], "max_tokens": 9, "temperature": 0.0, "ignore_eos": True,
             "stream": True,
