@@ -115,6 +115,12 @@ class LLMEngine:
 
     def prompt_ids(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as err:  # a lone UTF-16 surrogate: no tokenizer takes it
+                raise RequestError(f"prompt: holds a lone UTF-16 surrogate "
+                                   f"(\\u{ord(prompt[err.start]):04x} at character "
+                                   f"{err.start})") from None
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]

@@ -64,10 +64,41 @@ def parse_json_body(raw: bytes) -> dict:
     except json.JSONDecodeError as err:
         raise APIError(400, f"body: malformed JSON ({err.msg} at line {err.lineno} "
                             f"column {err.colno})", param="body") from None
+    except RecursionError:
+        raise APIError(400, f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels",
+                       param="body") from None
     if not isinstance(body, dict):
         raise APIError(400, f"body: expected a JSON object, got {type(body).__name__}",
                        param="body")
+    _check_json_values(body)
     return body
+
+
+# No OpenAI request nests deeper than this; a deeper body is refused before anyone walks it.
+MAX_JSON_DEPTH = 64
+
+
+def _check_json_values(body: dict) -> None:
+    """Every string is text that can be encoded (JSON's "\\ud800" escape yields a lone
+    UTF-16 surrogate, which no tokenizer takes), and nothing nests past MAX_JSON_DEPTH.
+    Iterative, so no body can exhaust the stack here."""
+    stack: list[tuple[Any, int]] = [(body, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels",
+                           param="body")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise APIError(400, f"body: a string holds a lone UTF-16 surrogate "
+                                    f"(\\u{ord(value[err.start]):04x} at character "
+                                    f"{err.start})", param="body") from None
+        elif isinstance(value, dict):
+            stack.extend((v, depth + 1) for kv in value.items() for v in kv)
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
 
 
 # ---- typed field readers ------------------------------------------------------------------

@@ -103,6 +103,7 @@ def test_stream_equals_generate(llm):
     ("word " * 200, SamplingParams(), "prompt"),
     ({"prompt_token_ids": [1, 99999]}, SamplingParams(), "prompt_token_ids"),
     ("hi", SamplingParams(logprobs=50), "logprobs"),
+    ("a lone \ud800 surrogate", SamplingParams(), "prompt: holds a lone UTF-16 surrogate"),
 ])
 def test_bad_requests_name_the_field(llm, prompt, params, field):
     with pytest.raises(RequestError, match=field):
