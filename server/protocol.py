@@ -245,7 +245,40 @@ def _stop(body: dict) -> list[str]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise bad("stop", "expected a non-empty string or a list of non-empty strings")
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in stop):
+        raise bad("stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} "
+                          f"characters each, got {len(stop)} (longest "
+                          f"{max(map(len, stop))})")
     return stop
+
+
+# Stop strings are matched against the tail of the text after every token: bounded here.
+MAX_STOP_STRINGS, MAX_STOP_LENGTH = 64, 1024
+# Seeds are 64-bit, signed or not, as vLLM's (an int64 on its side).
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+
+# Fields whose meaning the server does not implement yet. Accepting them would quietly
+# return something other than what was asked for (free text for a JSON schema, no tool
+# call), so each is refused with a 400 that says so; a value that asks for nothing is fine.
+NOT_YET = {
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "tools": lambda v: v is None or v == [],
+    "tool_choice": lambda v: v is None or v == "none",
+    "functions": lambda v: v is None or v == [],
+    "function_call": lambda v: v is None or v == "none",
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+}
+
+
+def refuse_unbuilt(body: dict) -> None:
+    for name, asks_nothing in NOT_YET.items():
+        if name in body and not asks_nothing(body[name]):
+            raise bad(name, "is not supported by this server yet (structured outputs and "
+                            "tool calling are not built); remove it to get plain text")
 
 
 def _stop_token_ids(body: dict, vocab_size: int) -> list[int]:
@@ -268,7 +301,7 @@ def sampling_params(body: dict, limits: Limits, *, max_tokens: int | None, logpr
             top_p=get_float(body, "top_p", 1.0),
             top_k=top_k,
             min_p=get_float(body, "min_p", 0.0),
-            seed=get_int(body, "seed"),
+            seed=get_int(body, "seed", lo=SEED_RANGE[0], hi=SEED_RANGE[1]),
             presence_penalty=get_float(body, "presence_penalty", 0.0),
             frequency_penalty=get_float(body, "frequency_penalty", 0.0),
             repetition_penalty=get_float(body, "repetition_penalty", 1.0),
@@ -327,6 +360,7 @@ def _prompts(body: dict, limits: Limits) -> list:
 
 def parse_completion(body: dict, limits: Limits) -> ParsedRequest:
     check_model(body, limits)
+    refuse_unbuilt(body)
     prompts = _prompts(body, limits)
     stream = get_bool(body, "stream")
     echo = get_bool(body, "echo")
@@ -383,6 +417,7 @@ def chat_messages(body: dict) -> list[dict]:
 def parse_chat(body: dict, limits: Limits) -> tuple[ParsedRequest, list[dict], dict]:
     """The parsed request (its prompt still to render), the messages, template options."""
     check_model(body, limits)
+    refuse_unbuilt(body)
     messages = chat_messages(body)
     stream = get_bool(body, "stream")
     want = get_bool(body, "logprobs")

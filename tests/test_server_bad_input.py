@@ -29,6 +29,21 @@ CASES = [
      "surrogate"),
     ("lone-surrogate-tokenize", "post", "/tokenize", b'{"prompt": "\\ud83d"}', None, 400,
      "body", "surrogate"),
+    ("response-format-json", "post", CHAT,
+     {"messages": USER, "response_format": {"type": "json_object"}}, None, 400,
+     "response_format", "not supported"),
+    ("response-format-schema", "post", CMPL,
+     {**OK, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, None,
+     400, "response_format", "not supported"),
+    ("tools", "post", CHAT, {"messages": USER, "tools": [{"type": "function", "function":
+                                                            {"name": "f"}}]},
+     None, 400, "tools", "not supported"),
+    ("guided-json", "post", CMPL, {**OK, "guided_json": {"type": "object"}}, None, 400,
+     "guided_json", "not supported"),
+    ("seed-beyond-64-bits", "post", CMPL, {**OK, "seed": 2 ** 80}, None, 400, "seed",
+     "must be in"),
+    ("too-many-stop-strings", "post", CMPL, {**OK, "stop": [f"s{i}" for i in range(1000)]},
+     None, 400, "stop", "at most"),
     ("deeply-nested", "post", CMPL, b'{"prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000
      + b"}", None, 400, "body", "nested"),
     ("empty-body", "post", CMPL, b"", None, 400, "body", "malformed JSON"),
@@ -165,3 +180,11 @@ async def test_bad_input_gets_an_error_object_and_the_server_keeps_serving(clien
     ok = await client.post(CMPL, json={**OK, "temperature": 0.0}, headers=AUTH)
     assert ok.status == 200, await ok.text()
     assert (await ok.json())["usage"]["completion_tokens"] >= 1
+
+
+async def test_fields_that_ask_for_nothing_are_accepted(client):
+    for path, body in ((CMPL, {**OK, "response_format": {"type": "text"}, "tools": [],
+                               "tool_choice": "none", "seed": 2 ** 64 - 1}),
+                       (CHAT, {"messages": USER, "max_tokens": 2, "tools": []})):
+        resp = await client.post(path, json=body, headers=AUTH)
+        assert resp.status == 200, await resp.text()
