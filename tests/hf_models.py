@@ -6,7 +6,7 @@ import pathlib
 import shutil
 
 import torch
-from transformers import NemotronHConfig, NemotronHForCausalLM
+from transformers import Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM
 
 from metrale_jax.default_model import ASSET_DIR
 
@@ -19,6 +19,19 @@ def save_tiny_nemotronh(path: pathlib.Path, **overrides) -> NemotronHForCausalLM
                   num_key_value_heads=2, head_dim=16, n_groups=2, mamba_head_dim=16,
                   chunk_size=8, initializer_range=0.1)
     model = NemotronHForCausalLM(NemotronHConfig(**{**fields, **overrides})).eval()
+    return _save(model, path)
+
+
+def save_tiny_mamba2(path: pathlib.Path) -> Mamba2ForCausalLM:
+    """A seeded random attention-free Mamba2 model, saved the same way."""
+    torch.manual_seed(0)
+    model = Mamba2ForCausalLM(Mamba2Config(
+        vocab_size=4096, hidden_size=64, num_heads=8, head_dim=16, expand=2, n_groups=2,
+        state_size=16, num_hidden_layers=2, chunk_size=8, initializer_range=0.1)).eval()
+    return _save(model, path)
+
+
+def _save(model, path: pathlib.Path):
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ASSET_DIR / name, path / name)

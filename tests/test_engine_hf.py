@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from metrale_jax import LLM, SamplingParams
-from tests.hf_models import save_tiny_nemotronh
+from tests.hf_models import save_tiny_mamba2, save_tiny_nemotronh
 
 NEW_TOKENS = 8
 
@@ -38,6 +38,18 @@ def test_engine_greedy_equals_transformers(hf_dir):
     llm = LLM(str(path), max_batch_size=4, max_tokens_per_tick=32, max_seq_len=128,
               block_size=4, num_kv_blocks=64)
     prompts = ["Return the value of", "x", "class Foo: def __init__(self) is called when"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                ignore_eos=True))
+    for out in outs:
+        assert out.outputs[0].token_ids == _hf_greedy(hf, out.prompt_token_ids)
+
+
+def test_an_attention_free_model_serves_with_default_sizes(tmp_path):
+    # A pure Mamba2 model has no KV pool; its block pool is bookkeeping only and used to
+    # get a single block from the memory budget ("BlockPool needs num_blocks >= 2").
+    hf = save_tiny_mamba2(tmp_path)
+    llm = LLM(str(tmp_path), max_batch_size=4, max_seq_len=128)
+    prompts = ["Return the value of", "x"]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                 ignore_eos=True))
     for out in outs:

@@ -50,8 +50,11 @@ def num_kv_blocks(cfg: ModelConfig, engine: EngineConfig, with_mtp: bool = False
         return engine.num_kv_blocks
     per_block = kv_bytes_per_block(cfg, engine.block_size, kv_cache_dtype(cfg, engine),
                                    with_mtp)
-    if per_block == 0:  # a pure SSM model has no KV pool, only the null block
-        return 1
+    if per_block == 0:
+        # An attention-free model has no KV arrays: its block pool is bookkeeping alone (the
+        # scheduler's lengths, prefix hashes for SSM snapshots), so size it to hold every
+        # sequence at full length, which costs no device memory.
+        return 1 + engine.max_batch_size * engine.max_blocks_per_seq
     blocks = engine.kv_memory_bytes // per_block
     if blocks < 2:
         raise ValueError(
