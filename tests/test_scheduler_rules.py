@@ -7,6 +7,7 @@ import pathlib
 import pytest
 
 from metrale_jax.cache.spill import SpillStore, SpillWriteError
+from metrale_jax.scheduler import parking
 from metrale_jax.scheduler import core as core_module
 from metrale_jax.scheduler import phases
 from metrale_jax.scheduler.levers import LeverError
@@ -202,6 +203,24 @@ def test_failing_spill_keeps_sequence_active_and_output_unchanged():
     drive(core, reqs + [newcomer])
     _assert_reference(reqs + [newcomer])
     assert core.tel.counters()["spill_failures"] >= 1
+    assert_accounted(core)
+
+
+def test_a_failed_spill_pauses_spilling_then_tries_again():
+    # A full disk used to be retried at every preemption (the same error many times in
+    # 40 ms); now spilling pauses, doubling per failure, and recompute stands in meanwhile.
+    store = FailingStore()
+    core = _crowded_core(spill=store)
+    reqs = _admit_residents(core)
+    newcomer = _newcomer()
+    core.inbox.submit(newcomer)
+    for _ in range(30):
+        core.tick()
+    assert store.attempts == 1 and not core.parking.can_spill()
+    core.clock.advance(parking.SPILL_BACKOFF_S[0])
+    assert core.parking.can_spill()
+    drive(core, reqs + [newcomer])
+    _assert_reference(reqs + [newcomer])
     assert_accounted(core)
 
 

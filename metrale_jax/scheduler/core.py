@@ -50,7 +50,8 @@ class SchedulerCore:
                              num_seq_slots=runner.num_seq_slots,
                              snapshot_slots=snapshot_slots or [], has_ssm=runner.has_ssm,
                              copy_slots=runner.copy_slots)
-        self.parking = Parking(runner=runner, memory=self.memory, spill=spill, tel=self.tel)
+        self.parking = Parking(runner=runner, memory=self.memory, spill=spill, tel=self.tel,
+                               clock=clock)
         self.inbox = Inbox()
         self.pending = Pending()
         self.active: list[Sequence] = []       # decoding
@@ -104,7 +105,7 @@ class SchedulerCore:
         if phases.should_shut_down(self.pending, idle, self._poll_inbox):
             return TickPlan(shutdown=True)
         t = self.clock.now()
-        if self.parking.spill is not None and self.levers_now.swap_enabled:
+        if self.levers_now.swap_enabled and self.parking.can_spill():
             phases.swap_out_for_admissions(new, active=self.active, memory=self.memory,
                                            spill_one=self._swap_out)
         self.tel.mark(Phase.SWAP_OUT, t)
@@ -149,7 +150,7 @@ class SchedulerCore:
 
     def _gate(self, new: list[Sequence]) -> list[Sequence]:
         spillable = 0
-        if self.levers_now.swap_enabled and self.parking.spill is not None:
+        if self.levers_now.swap_enabled and self.parking.can_spill():
             spillable = sum(len(s.block_table) for s in self.active if s.grammar_state is None)
         admitted, rejected = phases.gate_admissions(
             new, pending=self.pending, memory=self.memory, levers=self.levers_now,
@@ -302,7 +303,7 @@ class SchedulerCore:
                    if s is not seq and id(s) not in in_batch and not s.finished]
         if not victims:
             return False
-        if self.parking.spill is not None and self.levers_now.swap_enabled:
+        if self.levers_now.swap_enabled and self.parking.can_spill():
             spillable = [s for s in victims if s.status is Status.RUNNING
                          and s.grammar_state is None]
             if spillable and self._swap_out(max(spillable, key=lambda s: len(s.block_table))):

@@ -19,7 +19,7 @@ import re
 from metrale_jax.cache.spill import SpillBackend, SpillCorrupt, SpillError
 from metrale_jax.scheduler.memory import Memory
 from metrale_jax.sequence import Sequence, Status
-from metrale_jax.telemetry import Telemetry
+from metrale_jax.telemetry import Clock, Telemetry
 from metrale_jax.types import Runner
 
 logger = logging.getLogger(__name__)
@@ -38,12 +38,24 @@ class Resumed:
     failed: list[tuple[Sequence, str]] = dataclasses.field(default_factory=list)
 
 
+# After a failed spill (a full disk, say) spilling pauses, the pause doubling with each
+# failure in a row: retrying at every preemption only repeats the error, and recompute works.
+SPILL_BACKOFF_S = (5.0, 300.0)  # first pause, longest pause
+
+
 class Parking:
     def __init__(self, *, runner: Runner, memory: Memory, spill: SpillBackend | None,
-                 tel: Telemetry):
+                 tel: Telemetry, clock: Clock):
         self.runner, self.memory, self.spill, self.tel = runner, memory, spill, tel
+        self.clock = clock
         self.swapped: list[Sequence] = []
         self.preempted: list[Sequence] = []
+        self._failures_in_a_row = 0
+        self._paused_until = float("-inf")
+
+    def can_spill(self) -> bool:
+        """A spill backend is there and no failure has paused spilling."""
+        return self.spill is not None and self.clock.now() >= self._paused_until
 
     @property
     def parked(self) -> int:
@@ -70,9 +82,9 @@ class Parking:
         try:
             handle = self.spill.write(spill_key(seq), arrays, meta)
         except SpillError as err:
-            logger.error("swap-out failed: %s", err)
-            self.tel.count("spill_failures")
+            self._pause_after_failure(err)
             return False
+        self._failures_in_a_row = 0
         logger.info("swap-out: seq %s/%d (%d tokens, %d blocks) to disk", seq.request_id,
                     seq.index, seq.num_computed, len(seq.block_table))
         seq.spilled_blocks = len(seq.block_table)
@@ -82,6 +94,15 @@ class Parking:
         self.swapped.append(seq)
         self.tel.count("spills")
         return True
+
+    def _pause_after_failure(self, err: SpillError) -> None:
+        first, longest = SPILL_BACKOFF_S
+        pause = min(first * 2 ** self._failures_in_a_row, longest)
+        self._failures_in_a_row += 1
+        self._paused_until = self.clock.now() + pause
+        self.tel.count("spill_failures")
+        logger.error("swap-out failed: %s; spilling paused for %.0f s (preempting by "
+                     "recompute meanwhile)", err, pause)
 
     def preempt(self, seq: Sequence) -> None:
         """Free a sequence's blocks and slot; it recomputes everything when it resumes.
