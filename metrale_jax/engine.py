@@ -12,10 +12,10 @@ import logging
 import pathlib
 import random
 import shutil
-import tempfile
 from collections.abc import Sequence as Seq
 
 from metrale_jax.cache.spill import SpillStore
+from metrale_jax.cache.spill_dirs import make_private_dir, remove_stale_dirs
 from metrale_jax.config import EngineConfig
 from metrale_jax.loader.resolve import load
 from metrale_jax.outputs import RequestOutput
@@ -77,7 +77,8 @@ class LLMEngine:
     def _spill_dir(self) -> str:
         if self.engine_config.spill_dir is not None:
             return self.engine_config.spill_dir
-        self._own_spill_dir = tempfile.mkdtemp(prefix="metrale-spill-")
+        remove_stale_dirs()  # what a killed engine left behind
+        self._own_spill_dir = make_private_dir()
         return self._own_spill_dir
 
     def _levers(self) -> Levers:
