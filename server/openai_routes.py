@@ -24,6 +24,12 @@ STATE: web.AppKey[ServerState] = web.AppKey("state", ServerState)
 
 
 async def read_body(request: web.Request) -> dict:
+    # A body sent as another type (curl -d sends a form) is refused rather than guessed at;
+    # a request that names no type is read as JSON.
+    if request.headers.get("Content-Type") and request.content_type != "application/json" \
+            and not request.content_type.endswith("+json"):
+        raise APIError(415, f"Content-Type: expected application/json, got "
+                            f"{request.content_type}", param="Content-Type")
     return parse_json_body(await request.read())
 
 

@@ -3,6 +3,8 @@ problem, and a valid request right after it succeeds (the server keeps serving).
 
 from __future__ import annotations
 
+import json
+
 
 import pytest
 
@@ -188,3 +190,16 @@ async def test_fields_that_ask_for_nothing_are_accepted(client):
                        (CHAT, {"messages": USER, "max_tokens": 2, "tools": []})):
         resp = await client.post(path, json=body, headers=AUTH)
         assert resp.status == 200, await resp.text()
+
+
+async def test_a_body_of_another_type_is_refused(client):
+    # JSON text sent as text/plain (or a form, as `curl -d` sends) was read as JSON anyway.
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        resp = await client.post(CMPL, data=json.dumps(OK).encode(),
+                                 headers={**AUTH, "Content-Type": content_type})
+        error = (await resp.json())["error"]
+        assert resp.status == 415 and error["param"] == "Content-Type", error
+        assert "expected application/json" in error["message"]
+    ok = await client.post(CMPL, data=json.dumps(OK).encode(),
+                           headers={**AUTH, "Content-Type": "application/json; charset=utf-8"})
+    assert ok.status == 200, await ok.text()
