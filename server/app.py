@@ -29,7 +29,8 @@ OPEN_PATHS = ("/health",)
 
 
 def error_response(err: APIError) -> web.Response:
-    return web.json_response(err.body(), status=err.status)
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
+    return web.json_response(err.body(), status=err.status, headers=headers)
 
 
 def _from_http(exc: web.HTTPException, request: web.Request, limit: int) -> APIError:

@@ -31,10 +31,11 @@ class APIError(Exception):
              503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.code = code or str(status)
+        self.retry_after_s = retry_after_s  # sent as Retry-After (429, 503)
 
     def body(self) -> dict:
         return {"error": {"message": self.message,

@@ -18,6 +18,7 @@ from server.protocol import APIError, Limits
 logger = logging.getLogger("metrale.server")
 
 DEFAULT_MAX_WAITING = 256
+RETRY_AFTER_S = 1  # what a refused client is told to wait before trying again
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
@@ -81,7 +82,7 @@ class ServerState:
         if self.open_seqs + num_seqs > cap:
             raise APIError(429, f"too many requests waiting: {self.open_seqs} sequences "
                                 f"in flight, the cap is {cap}; retry later",
-                           code="too_many_requests")
+                           code="too_many_requests", retry_after_s=RETRY_AFTER_S)
         self.open_seqs += num_seqs
         self.open_requests += 1
         self.idle.clear()

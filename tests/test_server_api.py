@@ -260,7 +260,9 @@ async def test_waiting_cap_answers_429(llm, aiohttp_client):
     long = await client.post("/v1/completions", json={
         "prompt": "hold", "n": 4, "stream": True, **greedy(max_tokens=40)})
     await long.content.readline()  # the first chunk: 4 sequences are in flight
-    data = await post(client, "/v1/completions", {"prompt": "one more", **greedy()}, 429)
+    refused = await client.post("/v1/completions", json={"prompt": "one more", **greedy()})
+    assert refused.status == 429 and int(refused.headers["Retry-After"]) >= 1
+    data = await refused.json()
     assert data["error"]["type"] == "rate_limit_error"
     events = await sse_events(long)
     assert events  # the held request still finishes
