@@ -128,3 +128,17 @@ def test_no_compilation_after_warmup(llm):
                                            ignore_eos=True))
     assert counter.count == before
     assert llm.runner.step._jitted._cache_size() == jit_before
+
+
+def test_sampling_filters_compile_nothing_after_warmup(llm):
+    # top-k / top-p / min-p used to be a static switch of the step: the first request using
+    # one compiled a new variant in the middle of serving.
+    counter = llm.runner.counter
+    before = counter.count
+    mixes = [dict(temperature=0.8, top_p=0.9), dict(temperature=0.7, top_k=5),
+             dict(temperature=1.0, min_p=0.1), dict(temperature=0.0)]
+    for i, batch in enumerate(([PROMPTS[0]], PROMPTS[:2], PROMPTS, PROMPTS[2:4])):
+        llm.generate(batch, [SamplingParams(seed=i, max_tokens=5, ignore_eos=True,
+                                            **mixes[(i + j) % len(mixes)])
+                             for j in range(len(batch))])
+    assert counter.count == before

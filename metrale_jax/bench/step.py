@@ -51,7 +51,7 @@ class EngineStep:
         `sampling`: every row's `RowSampling` (default: greedy)."""
         from metrale_jax.runner.buckets import StepShape
         from metrale_jax.runner.inputs import RowChunk, build_step_batch
-        from metrale_jax.runner.sampler import make_sampling_arrays, needs_filters
+        from metrale_jax.runner.sampler import make_sampling_arrays
         from metrale_jax.runner.step import StepOptions
 
         self.runner = engine.runner
@@ -65,8 +65,7 @@ class EngineStep:
         self.arrays = build_step_batch(rows, shape, bs)
         rows_sampling = [sampling] * batch if sampling is not None else []
         self.sampling = make_sampling_arrays(rows_sampling, shape.rows, 0, 0)
-        self.options = StepOptions(num_top=engine.engine_config.max_logprobs,
-                                   filters=needs_filters(rows_sampling))
+        self.options = StepOptions(num_top=engine.engine_config.max_logprobs)
         self()  # compile outside the timed window
 
     def __call__(self) -> None:

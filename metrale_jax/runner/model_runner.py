@@ -21,7 +21,7 @@ from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.runner.buckets import BucketLadders, CompileCounter, StepShape
 from metrale_jax.runner.inputs import build_step_batch
 from metrale_jax.runner.progress import WarmupProgress
-from metrale_jax.runner.sampler import make_sampling_arrays, needs_filters, needs_penalties
+from metrale_jax.runner.sampler import make_sampling_arrays, needs_penalties
 from metrale_jax.runner.step import StepOptions, StepRunner
 from metrale_jax.runner.swap import gather_sequence, scatter_sequence
 from metrale_jax.types import RowResult, ScheduledRow, StepHandle
@@ -99,7 +99,7 @@ class ModelRunner:
                 cursor += len(r.tokens)
             targets = flat
         options = StepOptions(num_top=self.engine.max_logprobs, penalties=penalties,
-                              filters=needs_filters(samplings), prompt_logprobs=want_prompt)
+                              prompt_logprobs=want_prompt)
         out, self.caches, self.future = self.step(batch, sampling, targets, self.caches,
                                                   self.future, options)
         for leaf in jax.tree.leaves(out):

@@ -394,8 +394,10 @@ def sample(
     vocab_size: int | None = None,
 ) -> SampleResult:
     """Choose one token per row. Static: num_top, apply_penalties, apply_filters,
-    vocab_size (columns >= vocab_size are padding and never chosen). Logit bias
-    is applied whenever B > 0. Returned logprobs are raw (pre-processing)."""
+    vocab_size (columns >= vocab_size are padding and never chosen). With
+    apply_filters the filters run only when some row asks for one (a traced cond), so
+    one compiled step serves batches with and without them. Logit bias is applied
+    whenever B > 0. Returned logprobs are raw (pre-processing)."""
     logits = _mask_vocab(logits, vocab_size)
     raw_logp = jax.nn.log_softmax(logits, axis=-1)
 
@@ -410,39 +412,49 @@ def sample(
         scaled = processed / temp  # [S, V]
         keys = row_keys(params.seeds, params.counters)
         categorical = jax.vmap(jax.random.categorical)
-        if not apply_filters:
+
+        def plain(_):
             drawn = categorical(keys, scaled).astype(jnp.int32)
             return jnp.where(is_greedy, greedy_tokens, drawn)
+
+        if not apply_filters:
+            return plain(None)
         # Only sampled rows that ask for a filter are filtered; the others get neutral
-        # values (threshold -inf), so their draw is the unfiltered one.
+        # values (threshold -inf), so their draw is the unfiltered one: the same token
+        # `plain` draws, which a batch where no row filters takes without filtering.
         filters = ~is_greedy & (
             (params.top_k > 0) | (params.top_p < 1.0) | (params.min_p > 0.0)
         )
-        threshold, vals, ids, in_candidates = _filter_thresholds(
-            scaled,
-            jnp.where(filters, params.top_k, 0),
-            jnp.where(filters, params.top_p, 1.0),
-            jnp.where(filters, params.min_p, 0.0),
-            FILTER_CANDIDATES,
-        )
-        # A filtered row whose kept set lies inside its candidates draws among them (the
-        # same softmax over the same kept logits, W noise values instead of V); which path
-        # a row takes depends only on that row, so draws stay independent of the batch.
-        short = filters & in_candidates  # [S]
-        kept = jnp.where(vals >= threshold[:, None], vals, _NEG_INF)  # [S, W]
-        pick = categorical(keys, kept)[:, None]
-        short_tokens = jnp.take_along_axis(ids, pick, axis=-1)[:, 0]
-        full = ~is_greedy & ~short
 
-        def full_draw(_):
-            masked = jnp.where(scaled >= threshold[:, None], scaled, _NEG_INF)
-            return categorical(keys, masked).astype(jnp.int32)
+        def filtered(_):
+            threshold, vals, ids, in_candidates = _filter_thresholds(
+                scaled,
+                jnp.where(filters, params.top_k, 0),
+                jnp.where(filters, params.top_p, 1.0),
+                jnp.where(filters, params.min_p, 0.0),
+                FILTER_CANDIDATES,
+            )
+            # A filtered row whose kept set lies inside its candidates draws among them
+            # (the same softmax over the same kept logits, W noise values instead of V);
+            # which path a row takes depends only on that row, so draws stay independent
+            # of the batch.
+            short = filters & in_candidates  # [S]
+            kept = jnp.where(vals >= threshold[:, None], vals, _NEG_INF)  # [S, W]
+            pick = categorical(keys, kept)[:, None]
+            short_tokens = jnp.take_along_axis(ids, pick, axis=-1)[:, 0]
+            full = ~is_greedy & ~short
 
-        full_tokens = jax.lax.cond(
-            jnp.any(full), full_draw, lambda _: greedy_tokens, None
-        )
-        drawn = jnp.where(short, short_tokens, full_tokens)
-        return jnp.where(is_greedy, greedy_tokens, drawn)
+            def full_draw(_):
+                masked = jnp.where(scaled >= threshold[:, None], scaled, _NEG_INF)
+                return categorical(keys, masked).astype(jnp.int32)
+
+            full_tokens = jax.lax.cond(
+                jnp.any(full), full_draw, lambda _: greedy_tokens, None
+            )
+            drawn = jnp.where(short, short_tokens, full_tokens)
+            return jnp.where(is_greedy, greedy_tokens, drawn)
+
+        return jax.lax.cond(jnp.any(filters), filtered, plain, None)
 
     # An all-greedy batch (the common case) skips the filters and the noise.
     tokens = jax.lax.cond(

@@ -31,7 +31,6 @@ class StepOptions:
 
     num_top: int = 20              # top-n logprobs computed for every row
     penalties: bool = False        # some row uses repetition/presence/frequency penalties
-    filters: bool = False          # some row uses top-k/top-p/min-p
     prompt_logprobs: bool = False  # score every token of the batch against `targets`
     # Return each row's last hidden state (MTP drafting reads it); off, nothing is copied back.
     return_hidden: bool = False
@@ -103,7 +102,7 @@ def _step(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: Devi
     vocab = model.cfg.vocab_size
     logits = model.logits(last)
     sampled = sample(logits, sampling, num_top=options.num_top,
-                     apply_penalties=options.penalties, apply_filters=options.filters,
+                     apply_penalties=options.penalties, apply_filters=True,
                      vocab_size=vocab)
     prompt = None
     if options.prompt_logprobs:
