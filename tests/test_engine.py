@@ -142,3 +142,13 @@ def test_sampling_filters_compile_nothing_after_warmup(llm):
                                             **mixes[(i + j) % len(mixes)])
                              for j in range(len(batch))])
     assert counter.count == before
+
+
+def test_prompt_logprobs_compile_nothing_after_warmup(llm):
+    # Scoring the prompt was a static switch of the step, compiled on first use.
+    counter = llm.runner.counter
+    before = counter.count
+    out = llm.generate(PROMPTS[:3], [SamplingParams(prompt_logprobs=2, max_tokens=3,
+                                                    temperature=0.0)] * 3)
+    assert counter.count == before
+    assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in out)

@@ -98,17 +98,22 @@ class ModelRunner:
                     flat[cursor:cursor + len(r.targets)] = r.targets
                 cursor += len(r.tokens)
             targets = flat
-        options = StepOptions(num_top=self.engine.max_logprobs, penalties=penalties,
-                              prompt_logprobs=want_prompt)
+        options = StepOptions(num_top=self.engine.max_logprobs, penalties=penalties)
         out, self.caches, self.future = self.step(batch, sampling, targets, self.caches,
                                                   self.future, options)
-        for leaf in jax.tree.leaves(out):
+        for leaf in jax.tree.leaves(self._wanted(rows, out)):
             leaf.copy_to_host_async()  # start the read-back while the host plans ahead
         return StepHandle(list(rows), out)
 
+    @staticmethod
+    def _wanted(rows: Sequence[ScheduledRow], out) -> tuple:
+        """What the host reads back: prompt scores only when some row asked for them."""
+        return out.sampled, out.ranks, out.prompt if any(len(r.targets) for r in rows) else None
+
     def collect(self, handle: "StepHandle") -> list[RowResult]:
         """Wait for a dispatched step and unpack its results per row."""
-        return self._unpack(handle.rows, jax.device_get(handle.out))
+        sampled, ranks, prompt = jax.device_get(self._wanted(handle.rows, handle.out))
+        return self._unpack(handle.rows, sampled, ranks, prompt)
 
     def gather(self, blocks: Sequence[int], slot: int | None) -> dict[str, np.ndarray]:
         """One sequence's KV pages (and SSM slot) copied to the host, for a spill."""
@@ -126,20 +131,19 @@ class ModelRunner:
                                            jnp.asarray(dst, jnp.int32))
 
     @staticmethod
-    def _unpack(rows: Sequence[ScheduledRow], out) -> list[RowResult]:
+    def _unpack(rows: Sequence[ScheduledRow], s, ranks, prompt) -> list[RowResult]:
         results, cursor = [], 0
-        s = out.sampled
         for i, r in enumerate(rows):
             n = len(r.tokens)
             res = RowResult(token=int(s.tokens[i]), logprob=float(s.logprobs[i]),
-                            rank=int(out.ranks[i]),
+                            rank=int(ranks[i]),
                             top_ids=s.top_ids[i], top_logprobs=s.top_logprobs[i])
-            if out.prompt is not None and len(r.targets):
+            if prompt is not None and len(r.targets):
                 span = slice(cursor, cursor + n)
-                res.prompt_logprobs = out.prompt.target_logprobs[span]
-                res.prompt_ranks = out.prompt.target_ranks[span]
-                res.prompt_top_ids = out.prompt.top_ids[span]
-                res.prompt_top_logprobs = out.prompt.top_logprobs[span]
+                res.prompt_logprobs = prompt.target_logprobs[span]
+                res.prompt_ranks = prompt.target_ranks[span]
+                res.prompt_top_ids = prompt.top_ids[span]
+                res.prompt_top_logprobs = prompt.top_logprobs[span]
             results.append(res)
             cursor += n
         return results

@@ -31,7 +31,6 @@ class StepOptions:
 
     num_top: int = 20              # top-n logprobs computed for every row
     penalties: bool = False        # some row uses repetition/presence/frequency penalties
-    prompt_logprobs: bool = False  # score every token of the batch against `targets`
     # Return each row's last hidden state (MTP drafting reads it); off, nothing is copied back.
     return_hidden: bool = False
 
@@ -51,7 +50,7 @@ class StepOutput:
     sampled: SampleResult                # one token per row, with raw logprobs and top-n
     ranks: Int[Array, "S"]               # rank of each sampled token in the raw distribution
     hidden: Float[Array, "S D"] | None   # final-normed state of each row's last token, or None
-    prompt: PromptScores | None          # only when StepOptions.prompt_logprobs
+    prompt: PromptScores                 # zeros unless some target is >= 0 (a traced cond)
 
 
 class StepRunner:
@@ -80,9 +79,8 @@ class StepRunner:
                           batch.block_tables.shape[1])
         self.counter.record((shape, options, sampling.history_ids.shape[1],
                              sampling.bias_ids.shape[1]))
-        if targets is None:
-            targets = np.full((batch.num_tokens,), -1, np.int32) if options.prompt_logprobs \
-                else np.zeros((0,), np.int32)
+        if targets is None:  # nothing to score; the same shape keeps the same variant
+            targets = np.full((batch.num_tokens,), -1, np.int32)
         buffers, layout = pack((batch, sampling, targets))
         return self._jitted(self._leaves, jax.device_put(buffers), caches, future,
                             layout=layout, options=options)
@@ -104,15 +102,27 @@ def _step(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: Devi
     sampled = sample(logits, sampling, num_top=options.num_top,
                      apply_penalties=options.penalties, apply_filters=True,
                      vocab_size=vocab)
-    prompt = None
-    if options.prompt_logprobs:
-        all_logits = model.logits(hidden)
-        lp, ids, top = logprobs_of(all_logits, targets, num_top=options.num_top,
-                                   vocab_size=vocab)
-        prompt = PromptScores(lp, _ranks(all_logits, targets), ids, top)
+    prompt = jax.lax.cond(jnp.any(targets >= 0),
+                          lambda: _score_prompt(model, hidden, targets, options.num_top),
+                          lambda: _no_scores(hidden.shape[0], options.num_top))
     future = future.at[batch.ssm_slots].set(sampled.tokens)
     return StepOutput(sampled=sampled, ranks=_ranks(logits, sampled.tokens),
                       hidden=last if options.return_hidden else None, prompt=prompt), caches, future
+
+
+def _score_prompt(model: HybridLM, hidden: Float[Array, "T D"], targets: Int[Array, "T"],
+                  num_top: int) -> PromptScores:
+    """Prompt logprobs: every position's logits scored against the token that follows it.
+    A traced branch, so a request asking for them compiles nothing new."""
+    all_logits = model.logits(hidden)
+    lp, ids, top = logprobs_of(all_logits, targets, num_top=num_top,
+                               vocab_size=model.cfg.vocab_size)
+    return PromptScores(lp, _ranks(all_logits, targets), ids, top)
+
+
+def _no_scores(t: int, num_top: int) -> PromptScores:
+    return PromptScores(jnp.zeros((t,), jnp.float32), jnp.zeros((t,), jnp.int32),
+                        jnp.zeros((t, num_top), jnp.int32), jnp.zeros((t, num_top), jnp.float32))
 
 
 def _ranks(logits: Float[Array, "N V"], chosen: Int[Array, "N"]) -> Int[Array, "N"]:
