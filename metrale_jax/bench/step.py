@@ -21,15 +21,26 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from metrale_jax.bench.overhead import BLOCK, make_engine
+from metrale_jax.bench.roofline import decode_cost, peak_bandwidth
+from metrale_jax.loader.resolve import load
+from metrale_jax.model.caches import DeviceCaches, kv_cache_dtype
+from metrale_jax.runner.buckets import StepShape
+from metrale_jax.runner.inputs import RowChunk, build_step_batch
+from metrale_jax.runner.sampler import make_sampling_arrays
+from metrale_jax.runner.step import StepOptions, StepRunner
+from metrale_jax.types import RowSampling
+from pallas_kernels.backend import KernelOps
 
 # Timed steps per figure, repeated in interleaved rounds; medians.
 ROUNDS = 3
 
 
 def _filtered():
-    from metrale_jax.types import RowSampling
-
     return RowSampling(temperature=0.8, top_p=0.9, top_k=50, seed=1)
 
 
@@ -49,11 +60,6 @@ class EngineStep:
                  sampling=None):
         """`table_blocks`: the block-table width (default: the engine's own bucket);
         `sampling`: every row's `RowSampling` (default: greedy)."""
-        from metrale_jax.runner.buckets import StepShape
-        from metrale_jax.runner.inputs import RowChunk, build_step_batch
-        from metrale_jax.runner.sampler import make_sampling_arrays
-        from metrale_jax.runner.step import StepOptions
-
         self.runner = engine.runner
         bs = engine.engine_config.block_size
         owned = -(-(context + 1) // bs)
@@ -79,14 +85,6 @@ class DenseStep:
     """The same model and sampler with attention over contiguous head-major streams."""
 
     def __init__(self, model, engine_config, batch: int, context: int):
-        import jax
-        import jax.numpy as jnp
-
-        from metrale_jax.model.caches import DeviceCaches, kv_cache_dtype
-        from metrale_jax.runner.inputs import RowChunk, build_step_batch
-        from metrale_jax.runner.sampler import make_sampling_arrays
-        from metrale_jax.runner.step import StepOptions, StepRunner
-
         cfg = model.cfg
         # One "block" per row, as wide as the stream: slot_mapping then says (row, position).
         length = context + 1
@@ -106,8 +104,6 @@ class DenseStep:
                                cfg.ssm_state_size), jnp.float32) for _ in cfg.mamba_layers)
         self.caches = jax.device_put(DeviceCaches(kv=kv, conv=conv, ssm=ssm))
         self.future = jax.device_put(jnp.zeros((slots,), jnp.int32))
-        from metrale_jax.runner.buckets import StepShape
-
         rows = [RowChunk([7], context, [i], i + 1) for i in range(batch)]
         self.arrays = build_step_batch(rows, StepShape(batch, batch, 1, 1), length)
         self.sampling = make_sampling_arrays([], batch, 0, 0)
@@ -120,49 +116,33 @@ class DenseStep:
         np.asarray(out.sampled.tokens)
 
 
-def _dense_ops_class():
-    import jax
-    import jax.numpy as jnp
+@dataclasses.dataclass(frozen=True)
+class DenseOps(KernelOps):
+    """Attention over `[rows, kv_heads, L, head_dim]` streams: row r's "block table" is [r]
+    and its block is the whole stream, so slot_mapping = r * L + position."""
 
-    from pallas_kernels.backend import KernelOps
+    def write_kv_pages(self, k_cache, v_cache, k, v, slot_mapping):
+        length = k_cache.shape[2]
+        row, pos = slot_mapping // length, slot_mapping % length
+        return (k_cache.at[row, :, pos].set(k.astype(k_cache.dtype)),
+                v_cache.at[row, :, pos].set(v.astype(v_cache.dtype)))
 
-    @dataclasses.dataclass(frozen=True)
-    class _DenseOps(KernelOps):
-        """Attention over `[rows, kv_heads, L, head_dim]` streams: row r's "block table" is
-        [r] and its block is the whole stream, so slot_mapping = r * L + position."""
-
-        def write_kv_pages(self, k_cache, v_cache, k, v, slot_mapping):
-            length = k_cache.shape[2]
-            row, pos = slot_mapping // length, slot_mapping % length
-            return (k_cache.at[row, :, pos].set(k.astype(k_cache.dtype)),
-                    v_cache.at[row, :, pos].set(v.astype(v_cache.dtype)))
-
-        def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, q_positions,
-                            *, scale, soft_cap=None, sliding_window=None):
-            s, nq, h, d = q.shape
-            kvh = k_cache.shape[1]
-            qg = q.astype(jnp.float32).reshape(s, kvh, h // kvh, d) * scale  # decode: nq == 1
-            scores = jnp.einsum("skgd,skld->skgl", qg, k_cache.astype(jnp.float32))
-            visible = jnp.arange(k_cache.shape[2])[None, :] < context_lens[:, None]
-            scores = jnp.where(visible[:, None, None], scores, -1e30)
-            probs = jax.nn.softmax(scores, axis=-1)
-            out = jnp.einsum("skgl,skld->skgd", probs, v_cache.astype(jnp.float32))
-            return out.reshape(s, nq, h, d).astype(q.dtype)
-
-    return _DenseOps
-
-
-def DenseOps():  # noqa: N802 - builds the class lazily so importing this module stays light
-    return _dense_ops_class()()
+    def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, q_positions,
+                        *, scale, soft_cap=None, sliding_window=None):
+        s, nq, h, d = q.shape
+        kvh = k_cache.shape[1]
+        qg = q.astype(jnp.float32).reshape(s, kvh, h // kvh, d) * scale  # decode: nq == 1
+        scores = jnp.einsum("skgd,skld->skgl", qg, k_cache.astype(jnp.float32))
+        visible = jnp.arange(k_cache.shape[2])[None, :] < context_lens[:, None]
+        scores = jnp.where(visible[:, None, None], scores, -1e30)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("skgl,skld->skgd", probs, v_cache.astype(jnp.float32))
+        return out.reshape(s, nq, h, d).astype(q.dtype)
 
 
 def step_benchmark(model: str | None, batch: int, context: int, steps: int,
                    scaling_contexts: tuple[int, ...], dtype: str | None = None) -> dict:
     """Engine step, dense ceiling and bandwidth floor in interleaved rounds; scaling table."""
-    from metrale_jax.bench.overhead import BLOCK, make_engine
-    from metrale_jax.bench.roofline import decode_cost, peak_bandwidth
-    from metrale_jax.loader.resolve import load
-
     engine = make_engine(model, batch, False, dtype=dtype)
     try:
         cfg = engine.model_config
