@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 class SnapshotPool:
     def __init__(self, device_slots: Sequence[int]):
+        self._slots = frozenset(device_slots)
         self._free = list(device_slots)[::-1]
         self.total = len(device_slots)
         self._by_hash: OrderedDict[bytes, int] = OrderedDict()
@@ -45,3 +46,11 @@ class SnapshotPool:
     @property
     def used(self) -> int:
         return len(self._by_hash)
+
+    def check_integrity(self) -> None:
+        """Every device slot is either free or holds exactly one boundary's snapshot."""
+        held = list(self._by_hash.values())
+        if (len(set(held)) != len(held) or set(held) & set(self._free)
+                or set(held) | set(self._free) != self._slots):
+            raise AssertionError(f"SSM snapshot slots out of balance: held {sorted(held)}, "
+                                 f"free {sorted(self._free)} of {sorted(self._slots)}")

@@ -119,3 +119,4 @@ class Memory:
                 self.slots.num_slots - 1:
             raise AssertionError(f"SSM slots out of balance: held {sorted(held)}, "
                                  f"{self.slots.num_free} free of {self.slots.num_slots - 1}")
+        self.snapshots.check_integrity()
