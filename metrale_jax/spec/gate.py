@@ -1,0 +1,176 @@
+"""The MTP gate: per tick, the plain step or the speculative one, whichever delivers more.
+
+Whether drafting pays depends on what the step costs at this batch size on this machine and
+on how often drafts are accepted, so the gate measures instead of predicting: delivered
+tokens per second of wall clock (tokens committed to requests, not tokens computed), as an
+EMA per batch-size bucket and per mode. Until both modes have `warmup_ticks` samples in a
+bucket it alternates them (probing); then it keeps the faster one, switching only past an
+asymmetric margin (turning on needs a clear win, turning off a clear loss) so noise does not
+flip it tick to tick; every `reprobe_every_s` it runs the other mode for `probe_ticks` ticks,
+because load and acceptance drift. With the policy "on" or "off" it never probes.
+
+When the gate says off the engine runs exactly the plain step: a speculator that is merely
+disabled still costs time (vLLM V0 measured it), so "off" must mean no MTP work at all.
+The gate is host-only bookkeeping with an injected clock; phase 4 of the tick reads
+`observe()` into the snapshot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+from metrale_jax.telemetry.clock import Clock, MonotonicClock
+
+GATE_POLICIES = ("auto", "on", "off")
+
+
+class MtpMode(str, enum.Enum):
+    OFF = "off"
+    ON = "on"
+    PROBING = "probing"
+
+
+class GateError(ValueError):
+    """A gate setting is invalid; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GateConfig:
+    policy: str = "auto"           # auto: measure and choose; on / off: fixed
+    ema_alpha: float = 0.25        # weight of the newest tick in every EMA
+    warmup_ticks: int = 4          # samples of each mode in a bucket before choosing
+    turn_on_ratio: float = 1.05    # speculation must beat plain by 5% to be switched on
+    turn_off_ratio: float = 0.95   # and lose by 5% to be switched off again
+    reprobe_every_s: float = 20.0  # how long a choice stands before the other mode is retried
+    probe_ticks: int = 4           # ticks one re-probe runs the other mode
+
+    def __post_init__(self) -> None:
+        if self.policy not in GATE_POLICIES:
+            raise GateError(f"policy: must be one of {GATE_POLICIES}, got {self.policy!r}")
+        if not 0.0 < self.ema_alpha <= 1.0:
+            raise GateError(f"ema_alpha: must be in (0, 1], got {self.ema_alpha}")
+        for name in ("warmup_ticks", "probe_ticks"):
+            if getattr(self, name) < 1:
+                raise GateError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if not self.turn_off_ratio <= 1.0 <= self.turn_on_ratio:
+            raise GateError("turn_off_ratio <= 1 <= turn_on_ratio must hold (hysteresis), got "
+                            f"{self.turn_off_ratio} and {self.turn_on_ratio}")
+        if self.reprobe_every_s <= 0:
+            raise GateError(f"reprobe_every_s: must be positive, got {self.reprobe_every_s}")
+
+
+def _ema(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else old + alpha * (new - old)
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Power-of-two bucket of a batch size: step cost changes by buckets, not by rows."""
+    return 1 << max(batch_size - 1, 0).bit_length()
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """What the gate knows about one batch-size bucket."""
+
+    tps: dict[bool, float | None] = dataclasses.field(
+        default_factory=lambda: {False: None, True: None})    # speculative? -> tokens/s EMA
+    samples: dict[bool, int] = dataclasses.field(default_factory=lambda: {False: 0, True: 0})
+    speculating: bool = False      # the standing choice
+    decided_at: float = 0.0        # when the choice last stood fresh (re-probe timer)
+    probe_left: int = 0            # ticks of the current re-probe still to run
+
+    def warm(self, need: int) -> bool:
+        return min(self.samples.values()) >= need
+
+
+class MtpGate:
+    def __init__(self, config: GateConfig | None = None, num_depths: int = 1,
+                 clock: Clock | None = None):
+        self.config = config or GateConfig()
+        self.clock = clock or MonotonicClock()
+        self.num_depths = num_depths
+        self._buckets: dict[int, _Bucket] = {}
+        self._mode = MtpMode.OFF       # what the last `choose` decided
+        self._delivered_tps = 0.0      # EMA over every tick, whichever mode ran
+        self._acceptance: list[float | None] = [None] * num_depths
+
+    # ---- queries ------------------------------------------------------------------------
+
+    def observe(self) -> tuple[MtpMode, float]:
+        """The snapshot's (mtp_mode, delivered_tps)."""
+        return self._mode, self._delivered_tps
+
+    def acceptance(self) -> tuple[float, ...]:
+        """EMA of the acceptance rate at each draft depth (0.0 before any draft)."""
+        return tuple(a or 0.0 for a in self._acceptance)
+
+    def figures(self, batch_size: int) -> dict:
+        """Per-mode tokens/s and sample counts of a bucket (for benchmarks and tests)."""
+        b = self._buckets.get(batch_bucket(batch_size), _Bucket())
+        return {"plain_tps": b.tps[False], "speculative_tps": b.tps[True],
+                "plain_samples": b.samples[False], "speculative_samples": b.samples[True],
+                "speculating": b.speculating}
+
+    # ---- mutations ----------------------------------------------------------------------
+
+    def set_policy(self, policy: str) -> None:
+        """The runtime lever: auto / on / off (what was measured so far is kept)."""
+        self.config = dataclasses.replace(self.config, policy=policy)
+
+    def choose(self, batch_size: int) -> bool:
+        """Speculate this tick? Called once per tick that decodes, before packing."""
+        policy = self.config.policy
+        if policy != "auto":
+            self._mode = MtpMode.ON if policy == "on" else MtpMode.OFF
+            return policy == "on"
+        b = self._bucket(batch_size)
+        if not b.warm(self.config.warmup_ticks):
+            self._mode = MtpMode.PROBING  # fewer samples first; plain on a tie
+            return b.samples[True] < b.samples[False]
+        if not b.probe_left and self.clock.now() - b.decided_at >= self.config.reprobe_every_s:
+            b.probe_left = self.config.probe_ticks
+        if b.probe_left:
+            self._mode = MtpMode.PROBING
+            return not b.speculating
+        self._mode = MtpMode.ON if b.speculating else MtpMode.OFF
+        return b.speculating
+
+    def record(self, batch_size: int, speculative: bool, tokens: int, seconds: float,
+               accepted: Sequence[int] = (), drafted: Sequence[int] = ()) -> None:
+        """A settled tick: `tokens` committed to requests in `seconds` of wall clock, by the
+        mode that ran; for a speculative tick, accepted and drafted tokens per depth."""
+        if seconds <= 0:
+            return  # nothing measurable (a clock that did not move)
+        alpha = self.config.ema_alpha
+        tps = tokens / seconds
+        self._delivered_tps = _ema(self._delivered_tps or None, tps, alpha)
+        for d, (a, n) in enumerate(zip(accepted, drafted)):
+            if n:
+                self._acceptance[d] = _ema(self._acceptance[d], a / n, alpha)
+        b = self._bucket(batch_size)
+        b.tps[speculative] = _ema(b.tps[speculative], tps, alpha)
+        b.samples[speculative] += 1
+        if self.config.policy != "auto" or not b.warm(self.config.warmup_ticks):
+            return
+        if b.probe_left and speculative != b.speculating:
+            b.probe_left -= 1
+            if b.probe_left:
+                return
+            b.decided_at = self.clock.now()  # the probe is over: the choice stands afresh
+        self._decide(b)
+
+    def _decide(self, b: _Bucket) -> None:
+        plain, spec = b.tps[False], b.tps[True]
+        flip = (spec < plain * self.config.turn_off_ratio if b.speculating
+                else spec > plain * self.config.turn_on_ratio)
+        if flip:
+            b.speculating = not b.speculating
+            b.decided_at = self.clock.now()
+
+    def _bucket(self, batch_size: int) -> _Bucket:
+        key = batch_bucket(batch_size)
+        if key not in self._buckets:
+            self._buckets[key] = _Bucket(decided_at=self.clock.now())
+        return self._buckets[key]

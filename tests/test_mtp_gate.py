@@ -1,0 +1,123 @@
+"""The MTP gate, driven by a fake clock and made-up tick figures: warm-up probing, keeping the
+faster mode per batch bucket, hysteresis, periodic re-probes, fixed policies."""
+
+import pytest
+
+from metrale_jax.spec.gate import GateConfig, GateError, MtpGate, MtpMode, batch_bucket
+from metrale_jax.telemetry.clock import FakeClock
+
+
+def drive(gate: MtpGate, clock: FakeClock, batch: int, ticks: int, plain_tps: float,
+          spec_tps: float) -> list[bool]:
+    """Run `ticks` ticks of 0.1 s each, the mode chosen delivering the given rate."""
+    chosen = []
+    for _ in range(ticks):
+        spec = gate.choose(batch)
+        chosen.append(spec)
+        clock.t += 0.1
+        gate.record(batch, spec, tokens=round((spec_tps if spec else plain_tps) * 0.1),
+                    seconds=0.1)
+    return chosen
+
+
+def test_warm_up_probes_both_modes_then_keeps_the_faster():
+    clock = FakeClock()
+    gate = MtpGate(GateConfig(warmup_ticks=3), clock=clock)
+    first = drive(gate, clock, 1, 6, plain_tps=100, spec_tps=170)
+    assert first.count(True) == 3 and first.count(False) == 3  # alternated while warming
+    assert gate.observe()[0] is MtpMode.PROBING
+    assert all(drive(gate, clock, 1, 20, plain_tps=100, spec_tps=170))
+    mode, tps = gate.observe()
+    assert mode is MtpMode.ON and tps == pytest.approx(170, rel=0.01)
+
+
+def test_each_batch_bucket_chooses_for_itself():
+    clock = FakeClock()
+    gate = MtpGate(GateConfig(warmup_ticks=2), clock=clock)
+    drive(gate, clock, 1, 10, plain_tps=100, spec_tps=170)   # small batches: drafts pay
+    drive(gate, clock, 60, 10, plain_tps=900, spec_tps=700)  # large: the step is compute-bound
+    assert gate.choose(1) and not gate.choose(64) and gate.choose(2) is False
+    assert gate.figures(1)["speculating"] and not gate.figures(33)["speculating"]
+
+
+def test_hysteresis_keeps_a_choice_through_small_differences():
+    clock = FakeClock()
+    gate = MtpGate(GateConfig(warmup_ticks=2, reprobe_every_s=1e9), clock=clock)
+    drive(gate, clock, 4, 4, plain_tps=100, spec_tps=103)  # within the 5% margin: stays off
+    assert not any(drive(gate, clock, 4, 10, plain_tps=100, spec_tps=103))
+    gate = MtpGate(GateConfig(warmup_ticks=2, reprobe_every_s=1e9), clock=clock)
+    drive(gate, clock, 4, 4, plain_tps=100, spec_tps=150)
+    assert gate.choose(4)
+    # Speculation now only 3% behind: inside the turn-off margin, so it stays on.
+    gate.record(4, True, tokens=97, seconds=1.0)
+    for _ in range(10):
+        gate.record(4, True, tokens=97, seconds=1.0)
+    assert gate.figures(4)["speculative_tps"] == pytest.approx(97, rel=0.05)
+    assert gate.choose(4)
+
+
+def test_a_reprobe_finds_that_the_losing_mode_now_wins():
+    clock = FakeClock()
+    cfg = GateConfig(warmup_ticks=2, reprobe_every_s=5.0, probe_ticks=3)
+    gate = MtpGate(cfg, clock=clock)
+    drive(gate, clock, 1, 10, plain_tps=100, spec_tps=60)  # drafts rejected: off
+    assert not gate.choose(1) and gate.observe()[0] is MtpMode.OFF
+    # Acceptance recovers; within 5 s the gate keeps the choice without trying.
+    assert not any(drive(gate, clock, 1, 20, plain_tps=100, spec_tps=180)[:10])
+    clock.t += 5.0
+    chosen = drive(gate, clock, 1, 3, plain_tps=100, spec_tps=180)
+    assert chosen == [True, True, True]  # the re-probe runs the other mode
+    assert gate.choose(1) and gate.observe()[0] is MtpMode.ON
+
+
+def test_a_reprobe_that_loses_returns_to_the_standing_choice():
+    clock = FakeClock()
+    gate = MtpGate(GateConfig(warmup_ticks=2, reprobe_every_s=5.0, probe_ticks=2), clock=clock)
+    drive(gate, clock, 1, 6, plain_tps=100, spec_tps=60)
+    clock.t += 5.0
+    assert drive(gate, clock, 1, 2, plain_tps=100, spec_tps=60) == [True, True]
+    assert not gate.choose(1) and gate.observe()[0] is MtpMode.OFF
+    assert not any(drive(gate, clock, 1, 10, plain_tps=100, spec_tps=60))  # timer restarted
+
+
+@pytest.mark.parametrize("policy, expect, mode", [("on", True, MtpMode.ON),
+                                                  ("off", False, MtpMode.OFF)])
+def test_fixed_policies_never_probe(policy, expect, mode):
+    clock = FakeClock()
+    gate = MtpGate(GateConfig(policy=policy), clock=clock)
+    assert drive(gate, clock, 1, 12, plain_tps=100, spec_tps=10 if expect else 1000) \
+        == [expect] * 12
+    assert gate.observe()[0] is mode
+
+
+def test_the_policy_lever_switches_at_runtime_and_keeps_the_figures():
+    clock = FakeClock()
+    gate = MtpGate(GateConfig(policy="off", warmup_ticks=2), clock=clock)
+    drive(gate, clock, 1, 4, plain_tps=100, spec_tps=200)
+    gate.set_policy("auto")
+    assert gate.figures(1)["plain_samples"] == 4
+    drive(gate, clock, 1, 8, plain_tps=100, spec_tps=200)
+    assert gate.choose(1)
+    with pytest.raises(GateError, match="policy"):
+        gate.set_policy("sometimes")
+
+
+def test_acceptance_per_depth_is_an_ema_of_accepted_over_drafted():
+    gate = MtpGate(GateConfig(ema_alpha=0.5), num_depths=2, clock=FakeClock())
+    gate.record(1, True, tokens=3, seconds=0.1, accepted=[8, 2], drafted=[10, 10])
+    gate.record(1, True, tokens=3, seconds=0.1, accepted=[6, 0], drafted=[10, 0])
+    assert gate.acceptance() == pytest.approx((0.7, 0.2))
+
+
+@pytest.mark.parametrize("bad, field", [(dict(policy="maybe"), "policy"),
+                                        (dict(ema_alpha=0.0), "ema_alpha"),
+                                        (dict(warmup_ticks=0), "warmup_ticks"),
+                                        (dict(turn_on_ratio=0.9), "hysteresis"),
+                                        (dict(reprobe_every_s=0), "reprobe_every_s")])
+def test_bad_settings_name_the_field(bad, field):
+    with pytest.raises(GateError, match=field):
+        GateConfig(**bad)
+
+
+def test_batch_buckets_are_powers_of_two():
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
