@@ -12,6 +12,9 @@
    on the engine thread.
 5. A consumer that stops iterating (a client that went away) aborts its request: the abort
    travels through the inbox and its blocks come back within a tick.
+6. A step that raises fails its own requests (their deltas carry the error); repeated
+   failures stop the loop, which answers every request it holds first, and `error` is set
+   (the server's /health turns unhealthy).
 
 Besides streams, the server reads everything through this class: tokenizing, the chat
 template, limits, the published snapshot, telemetry and the levers.
@@ -27,6 +30,7 @@ from collections.abc import AsyncIterator, Hashable
 from metrale_jax.engine import LLMEngine, PromptInput
 from metrale_jax.outputs import StreamDelta
 from metrale_jax.request import Request, RequestError, SamplingParams
+from metrale_jax.scheduler.faults import EngineFailed
 from metrale_jax.scheduler.levers import Levers
 from metrale_jax.scheduler.snapshot import SchedulerSnapshot
 from metrale_jax.sequence import Sequence, decode_logprobs
@@ -94,7 +98,7 @@ class AsyncLLM:
         self._sink = _QueueSink()
         self.engine = LLMEngine(model, sink=self._sink, **kwargs)
         self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
+        self._error: BaseException | None = None
         e = self.engine
         self.limits = EngineLimits(
             model_name=e.model_name, max_seq_len=e.engine_config.max_seq_len,
@@ -115,8 +119,17 @@ class AsyncLLM:
         try:
             self.engine.run(wait=0.5)
         except BaseException as exc:  # surfaced to callers (the server turns unhealthy)
-            self.error = exc
+            self._error = exc
             raise
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine thread died or stopped (None while it serves). A halt after
+        repeated step failures shows here as soon as it is decided, before the loop has
+        answered every request it held."""
+        if self._error is None and self.engine.failure is not None:
+            self._error = EngineFailed(self.engine.failure)
+        return self._error
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop accepting; the loop finishes what it holds, then exits."""

@@ -174,6 +174,11 @@ class LLMEngine:
         """Read back the step the pipeline left running, so every output is committed."""
         self.core.drain()
 
+    @property
+    def failure(self) -> str | None:
+        """Why the loop stopped after repeated step failures (None while it serves)."""
+        return self.core.halted
+
     def close_inbox(self) -> None:
         """No new requests; the loop finishes what it holds, then `run` returns."""
         self.core.inbox.close()

@@ -116,3 +116,7 @@ class Runner(Protocol):
 
     def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy SSM state slots (snapshots), ordered after every step dispatched."""
+
+    def recover(self) -> bool:
+        """After `dispatch` or `collect` raised: True when the device caches were lost
+        (and re-allocated empty), False when they are intact."""

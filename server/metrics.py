@@ -48,7 +48,12 @@ class EngineCollector:
         for name, doc in (("spills", "Sequences spilled to disk."),
                           ("spill_failures", "Spills that failed (the sequence stayed)."),
                           ("swap_ins", "Sequences read back from disk."),
-                          ("preemptions", "Sequences preempted for recompute.")):
+                          ("preemptions", "Sequences preempted for recompute."),
+                          ("spill_corrupt", "Spill files found corrupt at swap-in (the "
+                                            "sequence recomputed)."),
+                          ("step_failures", "Steps that raised (their requests failed)."),
+                          ("cache_losses", "Failed steps that took the device caches with "
+                                           "them (running sequences recomputed).")):
             yield self._counter(f"metrale:num_{name}", doc, counters.get(name, 0))
         yield from self._phases(stats["phases"])
         yield self._gauge("metrale:compiled_variants",

@@ -54,7 +54,8 @@ class Fold:
         if delta.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
         if delta.error:
-            raise APIError(500, f"the engine failed this request: {delta.error}")
+            raise APIError(500, f"the engine failed this request: {delta.error}",
+                           code="engine_error")
         return choice
 
     def ordered(self) -> list[tuple[int, Choice]]:

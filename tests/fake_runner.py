@@ -101,6 +101,9 @@ class FakeRunner:
         if slot is not None:
             self.ssm[slot] = int(arrays["ssm"][0])
 
+    def recover(self) -> bool:
+        return False  # host arrays: a raising step leaves them as they were
+
     def copy_slots(self, src, dst) -> None:
         if self.has_ssm:
             self.ssm[list(dst)] = self.ssm[list(src)]

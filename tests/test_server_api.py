@@ -14,6 +14,7 @@ from metrale_jax.request import SamplingParams
 from server.app import create_app
 from server.state import ServerConfig
 from metrale_jax.async_engine import AsyncLLM
+from metrale_jax.scheduler.faults import MAX_STEP_FAILURES_IN_A_ROW
 from tests.server_fixtures import ENGINE, MODEL, running_engine
 
 PROMPTS = ["To be, or not to be", "What light through yonder", "Now is the winter"]
@@ -291,8 +292,11 @@ async def test_engine_failure_turns_unhealthy_and_answers_5xx(aiohttp_client, mo
 
     monkeypatch.setattr(engine.engine.runner, "dispatch", broken)
     engine.start()
-    data = await post(client, "/v1/completions", {"prompt": "doomed", **greedy()}, 500)
-    assert "engine" in data["error"]["message"]
+    # Each failed step fails its own request; the server turns unhealthy once
+    # MAX_STEP_FAILURES_IN_A_ROW steps in a row have failed (tests/reliability/test_faults.py).
+    for _ in range(MAX_STEP_FAILURES_IN_A_ROW):
+        data = await post(client, "/v1/completions", {"prompt": "doomed", **greedy()}, 500)
+        assert "engine" in data["error"]["message"]
     health = await client.get("/health")
     assert health.status == 503 and (await health.json())["status"] == "unhealthy"
     data = await post(client, "/v1/completions", {"prompt": "after", **greedy()}, 503)

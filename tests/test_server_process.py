@@ -7,15 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import pathlib
 import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 
 import aiohttp
 import openai
@@ -23,9 +16,8 @@ import pytest
 
 from metrale_jax.engine import LLM
 from metrale_jax.request import SamplingParams
+from tests.server_process import MODEL, start_server, stop_server
 
-MODEL = os.environ.get("METRALE_TEST_MODEL") or None
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 KEY = "process-test-key"
 ENGINE_ARGS = ["--max-seq-len", "128", "--max-batch-size", "16", "--max-tokens-per-tick", "64",
                "--block-size", "8", "--num-kv-blocks", "160", "--max-logprobs", "2",
@@ -34,57 +26,14 @@ ENGINE_ARGS = ["--max-seq-len", "128", "--max-batch-size", "16", "--max-tokens-p
 ENGINE = dict(max_seq_len=128, max_batch_size=16, max_tokens_per_tick=64, block_size=8,
               num_kv_blocks=160, max_logprobs=2, token_buckets=(32, 64), seq_buckets=(16,),
               query_buckets=(1, 16, 64), block_buckets=(16,))
-CACHE = os.environ.get("METRALE_TEST_JAX_CACHE", str(ROOT / ".jax_cache"))
-START_TIMEOUT_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _health(base: str) -> tuple[int, dict] | None:
-    try:
-        with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
-            return resp.status, json.load(resp)
-    except urllib.error.HTTPError as err:
-        return err.code, json.load(err)
-    except (urllib.error.URLError, ConnectionError):
-        return None
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    cmd = [sys.executable, "-m", "metrale_jax.cli", "serve", "--port", str(port),
-           "--api-key", KEY, "--compilation-cache", CACHE, *ENGINE_ARGS]
-    if MODEL:
-        cmd += ["--model", MODEL]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    seen = set()
-    while time.monotonic() < deadline:  # bounded: poll /health until ready
-        state = _health(base)
-        if state is not None:
-            seen.add(state[1]["status"])
-            if state[0] == 200:
-                break
-        try:
-            proc.wait(timeout=0.1)  # doubles as the poll interval; returns if it died
-            pytest.fail(f"metrale serve exited early:\n{log.read_text()}")
-        except subprocess.TimeoutExpired:
-            pass
-    else:
-        proc.kill()
-        pytest.fail(f"metrale serve not ready in {START_TIMEOUT_S}s:\n{log.read_text()}")
-    yield {"base": base, "proc": proc, "log": log, "seen": seen}
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    server = start_server(["--api-key", KEY, *ENGINE_ARGS], log)
+    yield server
+    stop_server(server)
 
 
 @pytest.fixture(scope="module")

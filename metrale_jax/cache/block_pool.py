@@ -208,6 +208,13 @@ class BlockPool:
         self._free.extend(evicted)
         return Reclaim(target, len(evicted), match.blocks)
 
+    def forget_cached(self) -> int:
+        """Evict every unreferenced cached block to the free list (their KV is gone: the
+        device caches were re-allocated); returns how many."""
+        evicted = [self._evict(block) for block in list(self._lru)]
+        self._free.extend(evicted)
+        return len(evicted)
+
     def _match(self, tokens: Sequence[int], adapter_id: int,
                usable: Callable[[BlockHash], bool] | None) -> PrefixMatch:
         blocks: list[int] = []

@@ -43,6 +43,11 @@ class SnapshotPool:
         self._by_hash[block_hash] = slot
         return slot
 
+    def clear(self) -> None:
+        """Forget every snapshot (the device state behind them is gone)."""
+        self._free.extend(self._by_hash.values())
+        self._by_hash.clear()
+
     @property
     def used(self) -> int:
         return len(self._by_hash)

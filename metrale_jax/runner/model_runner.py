@@ -50,14 +50,31 @@ class ModelRunner:
         # future-token cell), then the SSM snapshot slots.
         self.num_seq_slots = engine.max_batch_size + 1
         self.num_slots = self.num_seq_slots + (num_snapshot_slots if self.has_ssm else 0)
+        self._allocate_caches()
+        self._copy_slots = jax.jit(_copy_slots, donate_argnums=(0,))
+
+    def _allocate_caches(self) -> None:
         # Committed to the device like every step's outputs: jit keys its cache on that, so
         # fresh arrays would make the first shape compile twice (once more mid-serving).
-        device = jax.devices()[0]
+        cfg, engine, device = self.model_config, self.engine, jax.devices()[0]
         self.caches = jax.device_put(allocate_caches(
-            model.cfg, self.num_blocks, engine.block_size,
-            self.num_slots if self.has_ssm else 1, kv_cache_dtype(model.cfg, engine)), device)
+            cfg, self.num_blocks, engine.block_size,
+            self.num_slots if self.has_ssm else 1, kv_cache_dtype(cfg, engine)), device)
         self.future = jax.device_put(jnp.zeros((self.num_slots,), jnp.int32), device)
-        self._copy_slots = jax.jit(_copy_slots, donate_argnums=(0,))
+
+    def recover(self) -> bool:
+        """After a step raised: True when the caches were lost and are now re-allocated
+        empty, False when they are intact. They are lost when the failed step consumed them
+        (donated buffers deleted) or produced them (reading them raises the step's error)."""
+        leaves = jax.tree.leaves((self.caches, self.future))
+        try:
+            if not any(leaf.is_deleted() for leaf in leaves):
+                jax.block_until_ready(leaves)
+                return False
+        except Exception:  # noqa: BLE001 - any runtime error here means the state is gone
+            pass
+        self._allocate_caches()
+        return True
 
     @property
     def has_ssm(self) -> bool:

@@ -14,6 +14,7 @@ The parts (mini-sglang's shape: small collaborators, the core orchestrates):
   lanes.py    packing one batch; says "needs room for X" instead of making room
   commit.py   applying a step's results; returns the sequences it touched
   settle.py   must_settle: every reason to wait for the step running ahead
+  faults.py   a step that raises fails its own requests; several in a row stop the loop
   inbox.py, state.py (Pending, TickPlan), levers.py, policy.py, snapshot.py
 The contract with the runner is `metrale_jax.types`.
 

@@ -21,6 +21,7 @@ from metrale_jax.cache.spill import SpillBackend
 from metrale_jax.request import Request
 from metrale_jax.scheduler import phases
 from metrale_jax.scheduler.commit import commit_step
+from metrale_jax.scheduler.faults import EngineFailed, StepFailures
 from metrale_jax.scheduler.inbox import Inbox, Received
 from metrale_jax.scheduler.lanes import PackedRow, mark_dispatched, pack_lanes
 from metrale_jax.scheduler.levers import Levers, LeverValues
@@ -60,6 +61,9 @@ class SchedulerCore:
         # The step dispatched and not yet read back (pipeline on), with its rows.
         self.inflight: tuple[StepHandle, list[PackedRow]] | None = None
         self.steps_total = 0                   # ticks (the seed's name), idle ones included
+        self.failures = StepFailures()         # failed steps in a row (`faults`)
+        self.halted: str | None = None         # why the loop stops after failed steps
+        self._halt_done = False
         self.levers_now: LeverValues = levers.get()
         self._order = itertools.count()
 
@@ -74,13 +78,21 @@ class SchedulerCore:
                 self.absorb(self.inbox.recv(wait=True, timeout=wait))
 
     def tick(self) -> bool:
-        """One tick; False once the loop should stop (inbox closed, nothing left)."""
+        """One tick; False once the loop should stop (inbox closed, nothing left, or the
+        engine halted after repeated step failures)."""
+        if self.halted is not None:
+            self._halt()
+            return False
         self.levers_now = self.levers.get()  # one consistent reading per tick
         plan = self.plan_tick()
         if plan.shutdown:
             self._settle_if(stopping=True)
             return False
-        self.run_lanes(plan)
+        if self.halted is None:  # a step read back while planning may have decided a halt
+            self.run_lanes(plan)
+        if self.halted is not None:
+            self._halt()
+            return False
         if self.check_every_tick or self.is_idle:
             self.check_integrity()
         return True
@@ -122,8 +134,9 @@ class SchedulerCore:
         self._settle_if(pipeline=False)  # a step left by the pipelined variant, if any
         self._prepare_lanes(plan)
         packed = self._pack()
-        if packed:
-            self.inflight = (self._dispatch(packed), packed)
+        handle = self._dispatch(packed) if packed else None
+        if handle is not None:
+            self.inflight = (handle, packed)
         self._settle_if(pipeline=False)
 
     def _overlap_lanes(self, plan: TickPlan) -> None:
@@ -138,6 +151,8 @@ class SchedulerCore:
             self._settle_if(empty_batch=True)
             return
         handle = self._dispatch(packed)
+        if handle is None:
+            return  # the step failed; the one running ahead (if any) is read back later
         previous, self.inflight = self.inflight, (handle, packed)
         if previous is not None:
             self._process(*previous)
@@ -145,6 +160,8 @@ class SchedulerCore:
     def drain(self) -> None:
         """Read back the step running ahead, if any (callers that stop ticking)."""
         self._settle_if(stopping=True)
+        if self.halted is not None:
+            self._halt()
 
     # ---- the pieces of a tick ---------------------------------------------------------------
 
@@ -169,8 +186,6 @@ class SchedulerCore:
             resumed = self.parking.resume(self.levers_now.prefill_chunk_size)
             self.active.extend(resumed.decoding)
             self.prefilling.extend(resumed.prefilling)
-            for seq, reason in resumed.failed:
-                self.fail_sequence(seq, reason)
         self.tel.mark(Phase.RESUME, t)
         reuse = self.levers_now.prefix_cache_enabled
         for seq in plan.admitted:  # StartPrefills
@@ -189,6 +204,8 @@ class SchedulerCore:
             if packing.needs_room is None:
                 break
             self._settle_if(needs_room=True)
+            if packing.needs_room not in self.active:
+                continue  # the settled step failed: it was failed or recomputes now
             if not self._make_room(packing.needs_room, {id(p.seq) for p in packing.rows}):
                 no_room.add(id(packing.needs_room))
         if packing.starved is not None:
@@ -196,9 +213,14 @@ class SchedulerCore:
         self.tel.mark(Phase.PACK, t)
         return packing.rows
 
-    def _dispatch(self, packed: list[PackedRow]) -> StepHandle:
+    def _dispatch(self, packed: list[PackedRow]) -> StepHandle | None:
+        """Start the step; None when it failed (its requests were failed)."""
         t = self.clock.now()
-        handle = self.runner.dispatch([p.row for p in packed])
+        try:
+            handle = self.runner.dispatch([p.row for p in packed])
+        except Exception as exc:  # noqa: BLE001 - contained: fails this step's requests
+            self._step_failed(exc, packed, "dispatch")
+            return None
         for seq in mark_dispatched(packed, self.memory):
             self.prefilling.remove(seq)
             self.active.append(seq)
@@ -220,7 +242,13 @@ class SchedulerCore:
 
     def _process(self, handle: StepHandle, packed: list[PackedRow]) -> None:
         t = self.clock.now()
-        for seq in commit_step(self.runner.collect(handle), packed, self.memory):
+        try:
+            results = self.runner.collect(handle)
+        except Exception as exc:  # noqa: BLE001 - contained: fails this step's requests
+            self._step_failed(exc, packed, "collect")
+            return
+        self.failures.succeeded()
+        for seq in commit_step(results, packed, self.memory):
             if seq.finished:
                 self.finish(seq)
             else:
@@ -265,9 +293,10 @@ class SchedulerCore:
             self.publish_snapshot()
             self.sink.on_finished(request)
 
-    def fail_sequence(self, seq: Sequence, message: str) -> None:
+    def fail_sequence(self, seq: Sequence, message: str, log: bool = True) -> None:
         """Answer the whole request with an error; everyone else keeps being served."""
-        logger.warning("request %s failed: %s", seq.request_id, message)
+        if log:
+            logger.warning("request %s failed: %s", seq.request_id, message)
         request = self.requests.get(seq.request_id)
         for s in request.sequences if request else [seq]:
             if not s.finished:
@@ -314,8 +343,65 @@ class SchedulerCore:
     def preempt(self, seq: Sequence) -> None:
         """Free a sequence's blocks and slot; it recomputes everything when it resumes."""
         self._settle_if(needs_room=True)
+        if seq.finished or seq.status is Status.PREEMPTED:
+            return  # the settled step failed: the sequence was failed or already recomputes
         self._remove(seq)
         self.parking.preempt(seq)
+
+    # ---- step failures (`faults`) ---------------------------------------------------------
+
+    def _step_failed(self, exc: Exception, packed: list[PackedRow], where: str) -> None:
+        """A step raised: fail its requests (logged once, with the traceback), and if the
+        device caches went with it, recompute everyone who held state there."""
+        self.failures.failed(where, exc)
+        self.tel.count("step_failures")
+        if self.failures.exhausted:  # published before any caller hears of this failure
+            self.halted = self.failures.halt_reason()
+        ids = sorted({p.seq.request_id for p in packed})
+        logger.error("step failed at %s (%d in a row); failing its requests %s",
+                     where, self.failures.in_a_row, ids, exc_info=exc)
+        message = self.failures.request_error()
+        for p in packed:
+            if not p.seq.finished:
+                self.fail_sequence(p.seq, message, log=False)
+        if self.runner.recover():
+            self._recompute_after_cache_loss()
+
+    def _recompute_after_cache_loss(self) -> None:
+        """The runner re-allocated empty caches: every running sequence starts again by
+        exact recompute (parked ones hold nothing there), and the prefix cache and SSM
+        snapshots, whose contents are gone, are forgotten."""
+        self.inflight = None  # computed on the lost caches: never read back
+        running = sorted(self.active + self.prefilling, key=lambda s: s.order)
+        for seq in running:
+            self._remove(seq)
+            self.parking.preempt(seq)
+        self.memory.forget_device_state()
+        self.tel.count("cache_losses")
+        logger.warning("device caches were lost with the failed step and re-allocated; "
+                       "%d running sequences recompute", len(running))
+
+    def _halt(self) -> None:
+        """Repeated step failures: stop the loop and answer everything held (requests
+        that reached the inbox included) with an error, so no caller waits forever."""
+        if self._halt_done:
+            return
+        self._halt_done = True
+        self.inbox.close()
+        self.absorb(self.inbox.recv(wait=False))
+        self.inflight = None
+        requests = list(self.requests.values())
+        logger.error("engine stopped: %s; failing the %d requests it holds", self.halted,
+                     len(requests))
+        for request in requests:
+            unfinished = [s for s in request.sequences if not s.finished]
+            if unfinished:
+                self.fail_sequence(unfinished[0], f"the engine stopped: {self.halted}",
+                                   log=False)
+        for rotation in self.pending.rotations:
+            rotation.ack(None, EngineFailed(self.halted))
+        self.pending.rotations = []
+        self.publish_snapshot()
 
     # ---- views --------------------------------------------------------------------------
 

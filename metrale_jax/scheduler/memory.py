@@ -109,6 +109,12 @@ class Memory:
             self.slots.free(seq.slot)
             seq.slot = 0
 
+    def forget_device_state(self) -> None:
+        """The device caches were re-allocated empty: cached prefix blocks and SSM snapshots
+        no longer hold what their hashes say. Call once no sequence holds blocks."""
+        self.pool.forget_cached()
+        self.snapshots.clear()
+
     # ---- books ----------------------------------------------------------------------------
 
     def check_integrity(self, live: Seq[Sequence]) -> None:

@@ -6,8 +6,10 @@ Two kinds of parked sequence (together "parked"; the seed's snapshot counts both
               into one checksummed file set; swap-in reads them back into newly allocated
               blocks and a slot, and the sequence continues exactly where it stopped.
   preempted — blocks and slot freed; the sequence recomputes its prompt and outputs so far.
-A write that fails leaves the sequence where it was, untouched; a corrupt file fails that
-request alone. Parked sequences resume oldest first, before any new work is admitted.
+A write that fails leaves the sequence where it was, untouched, and pauses spilling (with a
+back-off); a file found corrupt or truncated at swap-in (checksums and sizes, `cache/spill`)
+is dropped and the sequence recomputes exactly, like a preempted one. Parked sequences resume
+oldest first, before any new work is admitted.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ class Resumed:
 
     decoding: list[Sequence] = dataclasses.field(default_factory=list)    # swapped in
     prefilling: list[Sequence] = dataclasses.field(default_factory=list)  # recompute
-    failed: list[tuple[Sequence, str]] = dataclasses.field(default_factory=list)
 
 
 # After a failed spill (a full disk, say) spilling pauses, the pause doubling with each
@@ -81,7 +82,7 @@ class Parking:
                 "num_computed": seq.num_computed, "blocks": len(seq.block_table)}
         try:
             handle = self.spill.write(spill_key(seq), arrays, meta)
-        except SpillError as err:
+        except (SpillError, OSError) as err:  # OSError: a backend that does not wrap it
             self._pause_after_failure(err)
             return False
         self._failures_in_a_row = 0
@@ -95,7 +96,7 @@ class Parking:
         self.tel.count("spills")
         return True
 
-    def _pause_after_failure(self, err: SpillError) -> None:
+    def _pause_after_failure(self, err: Exception) -> None:
         first, longest = SPILL_BACKOFF_S
         pause = min(first * 2 ** self._failures_in_a_row, longest)
         self._failures_in_a_row += 1
@@ -108,13 +109,17 @@ class Parking:
         """Free a sequence's blocks and slot; it recomputes everything when it resumes.
         The caller has settled the pipeline and taken it off its running list."""
         self.memory.release(seq)
+        self._park_for_recompute(seq)
+        self.tel.count("preemptions")
+
+    def _park_for_recompute(self, seq: Sequence) -> None:
+        """Nothing of the sequence is on the device any more: it restarts from its tokens."""
         seq.num_computed, seq.inflight, seq.block_hashes = 0, 0, []
         seq.epoch += 1
         if seq.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # scored again with the prompt
         seq.status = Status.PREEMPTED
         self.preempted.append(seq)
-        self.tel.count("preemptions")
 
     def discard_spill(self, seq: Sequence) -> None:
         if seq.spill is not None:
@@ -143,9 +148,13 @@ class Parking:
         self.swapped.remove(seq)
         try:
             arrays, _ = self.spill.read(seq.spill)
-        except SpillCorrupt as err:
+        except (SpillCorrupt, OSError) as err:
+            # The tokens are on the host: recompute is exact, so nothing is lost but time.
+            logger.warning("swap-in: %s; seq %s/%d recomputes instead", err, seq.request_id,
+                           seq.index)
             self.discard_spill(seq)
-            out.failed.append((seq, f"swap-in failed, the spilled state is unusable: {err}"))
+            self._park_for_recompute(seq)
+            self.tel.count("spill_corrupt")
             return True
         blocks = memory.pool.allocate(needed)
         slot = memory.slots.allocate()
