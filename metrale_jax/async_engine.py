@@ -69,6 +69,10 @@ class _QueueSink:
         first = key not in self._sent
         sent = self._sent.get(key, 0)
         new_ids = seq.output_ids[sent:]
+        if not new_ids and not seq.finished:
+            # A prefill chunk ran, nothing came out: nothing to tell. The first delta must
+            # wait for the prompt's end, as it carries the prompt logprobs, all of them.
+            return
         self._sent[key] = len(seq.output_ids)
         delta = StreamDelta(
             request_id=seq.request_id, index=seq.index, text=seq.stream_delta(),

@@ -19,7 +19,7 @@ from metrale_jax.outputs import StreamDelta
 from metrale_jax.request import RequestError
 
 from server.metrics import RequestTimer
-from server.protocol import APIError, ParsedRequest, from_request_error
+from server.protocol import APIError, ParsedRequest, from_request_error, score_only_delta
 from server.state import EngineDead, ServerState
 
 
@@ -43,9 +43,11 @@ class Generation:
         for prompt in parsed.prompts:
             try:
                 text, ids = llm.prompt_ids(prompt)
+                # The default max_tokens is set here: min_tokens is checked against it again.
+                params = parsed.params_for(len(ids), state.limits)
             except RequestError as err:
                 raise from_request_error(err) from None
-            plans.append((text, ids, parsed.params_for(len(ids), state.limits)))
+            plans.append((text, ids, params))
         state.require_serving()
         state.admit(self.num_seqs)
         self._admitted = True
@@ -91,6 +93,8 @@ class Generation:
                     self.finished.add(i)
                     self.timers[i].on_done()
                     continue
+                if self.parsed.score_only:
+                    delta = score_only_delta(delta)
                 llm.decode_logprobs(delta)
                 self.timers[i].on_delta(delta.index, len(delta.token_ids), delta.finish_reason)
                 yield i, delta

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 
 import jinja2
 from aiohttp import web
@@ -20,6 +21,7 @@ from server.responses import (Choice, CompletionLogprobs, chat_logprob_entries,
 from server.sse import SSEStream
 from server.state import EngineDead, ServerState
 
+logger = logging.getLogger("metrale.server")
 STATE: web.AppKey[ServerState] = web.AppKey("state", ServerState)
 
 
@@ -90,6 +92,13 @@ async def _run(request: web.Request, parsed: ParsedRequest, prefix: str, respond
                 await sse.send(error.body())
         except ConnectionResetError:
             return sse.response  # the client went away; the finally aborts its requests
+        except Exception as exc:  # noqa: BLE001 - a bug mid-stream: the client is told
+            # The headers are gone, so no error status can be sent: end the stream with an
+            # error event and [DONE] instead of leaving the client waiting.
+            logger.exception("unhandled error while streaming %s", gen.request_id)
+            with contextlib.suppress(ConnectionResetError):
+                await sse.send(APIError(500, f"internal error: {type(exc).__name__}: "
+                                             f"{exc}").body())
         with contextlib.suppress(ConnectionResetError):
             await sse.done()
         return sse.response
@@ -172,12 +181,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 # ---- /v1/chat/completions -----------------------------------------------------------------
 
+# What a jinja template raises on values it cannot handle (an int where it adds strings, a
+# missing key, raise_exception(...)).
+TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError)
+
+
 def render_chat(state: ServerState, messages: list[dict], options: dict) -> tuple[str, list[int]]:
     try:
         text = state.llm.apply_chat_template(messages, **options)
-    except jinja2.TemplateError as err:
-        raise APIError(400, f"messages: the chat template rejected them: {err}",
-                       param="messages") from None
+    except TEMPLATE_ERRORS as err:
+        # The template is the model's code run on the client's messages and
+        # chat_template_kwargs: what it cannot render is the client's to change.
+        raise APIError(400, f"messages: the chat template rejected them: "
+                            f"{type(err).__name__}: {err}", param="messages") from None
     return text, state.llm.tokenize(text, add_special_tokens=False)
 
 

@@ -10,12 +10,15 @@ import dataclasses
 import json
 from typing import Any
 
+from metrale_jax.outputs import StreamDelta
 from metrale_jax.request import RequestError, SamplingParams
 
 MAX_N = 32                   # completions per prompt
 MAX_PROMPTS = 64             # prompts in one /v1/completions request
 MAX_LOGIT_BIAS = 100.0
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Template variables the request sets from its own fields; chat_template_kwargs may not.
+TEMPLATE_OWNED = ("messages", "add_generation_prompt")
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 # End-of-turn tokens chat templates emit; a chat reply stops at them as at EOS (vLLM reads
 # the same ids from generation_config.json).
@@ -67,6 +70,9 @@ def parse_json_body(raw: bytes) -> dict:
                             f"column {err.colno})", param="body") from None
     except RecursionError:
         raise APIError(400, f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels",
+                       param="body") from None
+    except ValueError as err:  # an integer past Python's digit limit (4300)
+        raise APIError(400, f"body: a JSON number is too long to read ({err})",
                        param="body") from None
     if not isinstance(body, dict):
         raise APIError(400, f"body: expected a JSON object, got {type(body).__name__}",
@@ -133,7 +139,10 @@ def get_float(body: dict, name: str, default: Any = None, lo: float | None = Non
         raise bad(name, f"expected a number, got {json.dumps(v)}")
     if lo is not None and v < lo or hi is not None and v > hi:
         raise bad(name, f"must be in [{lo}, {hi}], got {v}")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:  # an integer beyond any float
+        raise bad(name, "is out of range") from None
 
 
 def _get_typed(body: dict, name: str, default: Any, kind: type, expected: str) -> Any:
@@ -169,6 +178,9 @@ class ParsedRequest:
     # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far, so
     # a client can count the tokens of a chunk that holds several (MTP, held-back text).
     continuous_usage: bool = False
+    # max_tokens 0 with echo (prompt scoring): the engine samples its one token, which the
+    # server drops (see `score_only_delta`), so the answer is the prompt and its logprobs.
+    score_only: bool = False
 
     def params_for(self, prompt_len: int, limits: "Limits") -> SamplingParams:
         """The sampling parameters for one prompt (the engine checks them against the
@@ -260,24 +272,30 @@ SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
 
 # Fields whose meaning the server does not implement yet. Accepting them would quietly
 # return something other than what was asked for (free text for a JSON schema, no tool
-# call), so each is refused with a 400 that says so; a value that asks for nothing is fine.
-NOT_YET = {
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "tools": lambda v: v is None or v == [],
-    "tool_choice": lambda v: v is None or v == "none",
-    "functions": lambda v: v is None or v == [],
-    "function_call": lambda v: v is None or v == "none",
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None,
-    "structured_outputs": lambda v: v is None,
+# call), so each is refused with a 400 that says so. Only null or one of the values listed
+# (each asks for nothing) passes; the OpenAPI document is built from the same table.
+NOT_YET: dict[str, tuple] = {
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
 }
 
 
+def _asks_nothing(value: Any, allowed: tuple) -> bool:
+    # `type(a) is type(value)` keeps JSON's 0/false and 1/true apart, which == does not.
+    return value is None or any(type(a) is type(value) and a == value for a in allowed)
+
+
 def refuse_unbuilt(body: dict) -> None:
-    for name, asks_nothing in NOT_YET.items():
-        if name in body and not asks_nothing(body[name]):
+    for name, allowed in NOT_YET.items():
+        if name in body and not _asks_nothing(body[name], allowed):
             raise bad(name, "is not supported by this server yet (structured outputs and "
                             "tool calling are not built); remove it to get plain text")
 
@@ -369,15 +387,34 @@ def parse_completion(body: dict, limits: Limits) -> ParsedRequest:
     prompt_logprobs = _logprob_count(body, "prompt_logprobs", limits)
     if echo and logprobs is not None and prompt_logprobs is None:
         prompt_logprobs = logprobs  # echo with logprobs reports the prompt's too, as vLLM
-    # No max_tokens: 16 as OpenAI, cut to the room left after each prompt (see fit_default).
-    params = sampling_params(body, limits, max_tokens=_max_tokens(body, "max_tokens"),
+    max_tokens = get_int(body, "max_tokens", lo=0)
+    score_only = max_tokens == 0
+    if score_only and not echo:
+        raise bad("max_tokens", "0 generates nothing: it only scores the prompt, which needs "
+                                "echo: true; ask for at least 1 token otherwise")
+    # No max_tokens: 16 as OpenAI, cut to the room left after each prompt (params_for).
+    params = sampling_params(body, limits, max_tokens=1 if score_only else max_tokens,
                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    if score_only and params.min_tokens:
+        raise bad("min_tokens", f"must be in [0, max_tokens], got {params.min_tokens}")
     get_str(body, "user")
     include_usage, continuous = _stream_options(body, stream)
     return ParsedRequest(prompts, params, stream, include_usage, echo,
                          get_int(body, "priority", 0), None,
                          default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
-                         continuous_usage=continuous)
+                         continuous_usage=continuous, score_only=score_only)
+
+
+def score_only_delta(delta: StreamDelta) -> StreamDelta:
+    """A scoring request's delta without the token the engine sampled past the prompt: no
+    text, tokens or logprobs, and it ends by length (the 0 tokens asked for), whatever
+    stopped the engine's one token. Prompt logprobs do not depend on that token."""
+    finish = delta.finish_reason
+    if finish in ("stop", "length"):
+        finish = "length"
+    logprobs = None if delta.logprobs is None else []
+    return dataclasses.replace(delta, text="", token_ids=[], logprobs=logprobs,
+                               finish_reason=finish, stop_reason=None)
 
 
 def _message_text(message: dict, i: int) -> str:
@@ -434,6 +471,10 @@ def parse_chat(body: dict, limits: Limits) -> tuple[ParsedRequest, list[dict], d
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise bad("chat_template_kwargs", "expected an object")
+    owned = sorted(set(template_kwargs) & set(TEMPLATE_OWNED))
+    if owned:
+        raise bad("chat_template_kwargs", f"{owned[0]!r} is set by the request itself, "
+                                          f"not here (keys it cannot take: {TEMPLATE_OWNED})")
     options = {"add_generation_prompt": get_bool(body, "add_generation_prompt", True),
                **template_kwargs}
     include_usage, continuous = _stream_options(body, stream)

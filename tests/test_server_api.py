@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import openai
 import pytest
 
 from metrale_jax.engine import LLM
@@ -151,6 +152,55 @@ async def test_echo_with_prompt_logprobs(client):
     assert len(pl) == len(tokens) and pl[0] is None
     for position, token in enumerate(tokens[1:], start=1):
         assert str(token) in pl[position]
+
+
+async def test_max_tokens_zero_with_echo_scores_the_prompt(client):
+    """Prompt scoring (lm-eval's loglikelihood): the prompt and its logprobs, no token."""
+    prompt = "To be, or not to be, that is"
+    n_prompt = len((await post(client, "/tokenize", {"prompt": prompt}))["tokens"])
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "temperature": 0.0}
+    one = (await post(client, "/v1/completions", {**body, "max_tokens": 1}))["choices"][0]
+    whole = await post(client, "/v1/completions", {**body, "max_tokens": 0})
+    choice = whole["choices"][0]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert choice["stop_reason"] is None
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == n_prompt and lp["token_logprobs"][0] is None
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert lp[key] == one["logprobs"][key][:n_prompt], key
+    assert whole["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 0,
+                              "total_tokens": n_prompt}
+
+    events = await sse_events(await client.post("/v1/completions", json={
+        **body, "max_tokens": 0, "stream": True, "stream_options": {"include_usage": True}}))
+    chunks = [c for e in events for c in e["choices"]]
+    assert "".join(c["text"] for c in chunks) == prompt
+    assert [t for c in chunks for t in c["logprobs"]["token_logprobs"]] == \
+        lp["token_logprobs"]
+    assert chunks[-1]["finish_reason"] == "length"
+    assert events[-1]["usage"] == whole["usage"]
+
+
+async def test_prompt_scoring_through_the_openai_client(client, llm):
+    oai = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="none",
+                             max_retries=0)
+    prompt, model = "Now is the winter", llm.engine.model_name
+    scored = await oai.completions.create(model=model, prompt=prompt,
+                                          max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs[0] is None
+    assert all(isinstance(x, float) for x in choice.logprobs.token_logprobs[1:])
+    assert scored.usage.completion_tokens == 0
+    assert scored.usage.total_tokens == scored.usage.prompt_tokens
+    stream = await oai.completions.create(model=model, prompt=prompt,
+                                          max_tokens=0, echo=True, logprobs=1, stream=True)
+    streamed = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in streamed) == prompt
+    assert streamed[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        await oai.completions.create(model=model, prompt=prompt, max_tokens=0)
+    await oai.close()
 
 
 async def test_stop_string_cuts_streamed_and_whole_alike(client):
@@ -334,3 +384,35 @@ async def test_starting_and_served_model_names(llm, aiohttp_client):
     data = await post(named, "/v1/completions", {"model": "will", "prompt": "x", **greedy()})
     assert data["model"] == "bard"
     await post(named, "/v1/completions", {"model": llm.engine.model_name, "prompt": "x"}, 404)
+
+
+async def test_streamed_echo_of_a_chunked_prompt_carries_every_prompt_logprob(client):
+    """A prompt prefilled in several chunks: the first streamed chunk still holds the
+    logprobs of every prompt position (not just those of the first chunk)."""
+    prompt = " ".join(["To be, or not to be, that is the question."] * 4)
+    ids = (await post(client, "/tokenize", {"prompt": prompt}))["tokens"]
+    assert 32 < len(ids) < 60  # longer than one tick's token budget
+    events = await sse_events(await client.post("/v1/completions", json={
+        "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 2, "stream": True,
+        "temperature": 0.0}))
+    logprobs = [t for e in events for c in e["choices"] for t in c["logprobs"]["tokens"]]
+    assert len(logprobs) == len(ids) + 2
+
+
+async def test_a_bug_mid_stream_ends_the_stream_with_an_error(client, monkeypatch):
+    """Headers are sent: the client gets an error event and [DONE], not a hung stream."""
+    from server import openai_routes
+
+    def broken(*args, **kwargs):
+        raise IndexError("injected")
+
+    monkeypatch.setattr(openai_routes, "_completion_logprobs", broken)
+    resp = await client.post("/v1/completions", json={
+        "prompt": PROMPTS[0], "max_tokens": 2, "logprobs": 1, "stream": True})
+    raw = (await asyncio.wait_for(resp.read(), 60)).decode()
+    events = [e.strip()[len("data: "):] for e in raw.split("\n\n") if e.strip()]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "IndexError" in error["message"] and error["code"] == "500"
+    monkeypatch.undo()
+    assert (await post(client, "/v1/completions", {"prompt": PROMPTS[0], **greedy()}))["choices"]

@@ -63,7 +63,20 @@ CASES = [
     ("max-tokens-negative", "post", CMPL, {**OK, "max_tokens": -1}, None, 400, "max_tokens",
      "must be in"),
     ("max-tokens-zero", "post", CMPL, {**OK, "max_tokens": 0}, None, 400, "max_tokens",
-     "must be in"),
+     "echo: true"),
+    ("max-tokens-zero-echo-min-tokens", "post", CMPL,
+     {**OK, "max_tokens": 0, "echo": True, "min_tokens": 1}, None, 400, "min_tokens",
+     "max_tokens"),
+    # Found by the fuzzer (tests/reliability/test_fuzz.py); each was a 500.
+    ("integer-past-digit-limit", "post", CMPL,
+     b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", None, 400, "body", "too long"),
+    ("float-field-huge-integer", "post", CMPL, {**OK, "top_p": 10 ** 400}, None, 400, "top_p",
+     "out of range"),
+    ("min-tokens-over-default-max-tokens", "post", CMPL, {"prompt": "Hello", "min_tokens": 10**6},
+     None, 400, "min_tokens", "max_tokens"),
+    ("chat-template-kwargs-messages", "post", CHAT,
+     {"messages": USER, "max_tokens": 2, "chat_template_kwargs": {"messages": []}}, None, 400,
+     "chat_template_kwargs", "set by the request"),
     ("max-tokens-huge", "post", CMPL, {**OK, "max_tokens": 10**9}, None, 400, "max_tokens",
      "context length"),
     ("max-tokens-string", "post", CMPL, {**OK, "max_tokens": "10"}, None, 400, "max_tokens",
@@ -203,3 +216,18 @@ async def test_a_body_of_another_type_is_refused(client):
     ok = await client.post(CMPL, data=json.dumps(OK).encode(),
                            headers={**AUTH, "Content-Type": "application/json; charset=utf-8"})
     assert ok.status == 200, await ok.text()
+
+
+async def test_a_chat_template_that_cannot_render_the_messages_is_a_400(client, llm,
+                                                                         monkeypatch):
+    # A model's template is jinja run on the client's messages and chat_template_kwargs; a
+    # TypeError from it (an int where it joins strings) was a 500.
+    def render(messages, **options):
+        return "<|im_start|>" + options.get("enable_thinking", 0)
+
+    monkeypatch.setattr(llm, "apply_chat_template", render)
+    resp = await client.post(CHAT, json={"messages": USER, "chat_template_kwargs": {
+        "enable_thinking": 1}}, headers=AUTH)
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and error["param"] == "messages", error
+    assert "TypeError" in error["message"]
