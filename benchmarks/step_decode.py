@@ -20,7 +20,9 @@ from metrale_jax.default_model import model as default_model
 from metrale_jax.model import HybridLM, allocate_caches
 from metrale_jax.runner.buckets import StepShape
 from metrale_jax.runner.inputs import RowChunk, build_step_batch
+from metrale_jax.runner.penalties import history_width
 from metrale_jax.runner.sampler import make_sampling_arrays
+from metrale_jax.runner.slot_tables import allocate_slot_tables
 from metrale_jax.runner.step import StepOptions, StepRunner
 
 # ~53M parameters, shaped like a small Llama (untied head, 32k vocabulary).
@@ -46,19 +48,19 @@ def bench_decode(cfg: ModelConfig, batch: int, context: int, steps: int,
             for i in range(batch)]
     shape = StepShape(batch, batch, 1, blocks_per_seq)
     step_batch = jax.tree.map(jnp.asarray, build_step_batch(rows, shape, block_size))
-    sampling = jax.tree.map(jnp.asarray, make_sampling_arrays([], batch, 0, 0))
+    sampling = jax.tree.map(jnp.asarray, make_sampling_arrays([], batch))
     options = StepOptions(num_top=1)
-    future = jnp.zeros((batch + 1,), jnp.int32)
+    tables = allocate_slot_tables(batch + 1, batch + 1, history_width(context + 1), 1)
 
     t0 = time.perf_counter()
-    out, caches, future = runner(step_batch, sampling, None, caches, future, options)
+    out, caches, tables = runner(step_batch, sampling, None, caches, tables, options)
     np.asarray(out.sampled.tokens)
     compile_s = time.perf_counter() - t0
 
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        out, caches, future = runner(step_batch, sampling, None, caches, future, options)
+        out, caches, tables = runner(step_batch, sampling, None, caches, tables, options)
         np.asarray(out.sampled.tokens)  # the host reads every step's tokens, as serving does
         times.append(time.perf_counter() - t0)
     median = float(np.median(times))

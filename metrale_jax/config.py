@@ -143,6 +143,10 @@ class EngineConfig:
     query_buckets: tuple[int, ...] = ()
     block_buckets: tuple[int, ...] = ()  # block-table widths; the last must cover max_seq_len
     max_logprobs: int = 20  # top-n logprobs computed on the device for every row
+    # Logit-bias entries one request may carry (with min_tokens, its stop token ids and EOS
+    # count too): each sequence slot keeps a device table this wide, so no request's bias
+    # is a new shape to compile.
+    max_logit_bias: int = 1024
     # Scheduling: the starting values of the runtime levers (scheduler/levers.py).
     prefill_chunk_size: int = 256      # longest prefill chunk of one sequence per tick
     admit_watermark: float = 0.01      # fraction of KV blocks admission keeps free
@@ -168,6 +172,7 @@ class EngineConfig:
         _require(self.max_tokens_per_tick >= self.max_batch_size, "max_tokens_per_tick",
                  "must be at least max_batch_size so every running sequence can decode")
         _require(self.max_logprobs >= 1, "max_logprobs", "must be >= 1")
+        _require(self.max_logit_bias >= 1, "max_logit_bias", "must be >= 1")
         _require(self.prefill_chunk_size >= 1, "prefill_chunk_size", "must be positive")
         _require(0.0 <= self.admit_watermark < 1.0, "admit_watermark", "must be in [0, 1)")
         _require(self.policy in ("fcfs", "priority"), "policy",

@@ -142,7 +142,8 @@ class LLMEngine:
         max_len = self.engine_config.max_seq_len
         check_context(len(ids), params.max_tokens, max_len,
                       max_tokens_must_fit=max_tokens_must_fit)
-        params.check_against(self.model_config.vocab_size, self.engine_config.max_logprobs)
+        params.check_against(self.model_config.vocab_size, self.engine_config.max_logprobs,
+                             self.engine_config.max_logit_bias, self.tokenizer.eos_token_id)
         request_id = request_id or str(next(self._ids))
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         seqs = [Sequence(

@@ -104,8 +104,10 @@ class SamplingParams:
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
 
-    def check_against(self, vocab_size: int, max_logprobs: int) -> None:
-        """Checks that need the model: token ids in range, logprob counts within the cap."""
+    def check_against(self, vocab_size: int, max_logprobs: int, max_logit_bias: int | None = None,
+                      eos_token_id: int | None = None) -> None:
+        """Checks that need the model and the engine: token ids in range, logprob counts and
+        logit-bias entries within the engine's caps."""
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and value > max_logprobs:
@@ -115,6 +117,22 @@ class SamplingParams:
             if not 0 <= int(token) < vocab_size:
                 raise RequestError(f"logit_bias/stop_token_ids: token id {token} is outside "
                                    f"the vocabulary (size {vocab_size})")
+        entries = self.bias_entries(eos_token_id)
+        if max_logit_bias is not None and entries > max_logit_bias:
+            extra = (" (with min_tokens, the stop token ids and EOS count too)"
+                     if entries > len(self.logit_bias or {}) else "")
+            raise RequestError(f"logit_bias: {entries} entries{extra} exceed the engine's "
+                               f"max_logit_bias ({max_logit_bias})")
+
+    def bias_entries(self, eos_token_id: int | None) -> int:
+        """The most logit-bias entries a sequence of this request carries at once: its own,
+        plus the tokens banned until min_tokens (`Sequence.row_sampling`)."""
+        tokens = {int(t) for t in self.logit_bias or {}}
+        if self.min_tokens > 0:
+            tokens.update(int(t) for t in self.stop_token_ids)
+            if eos_token_id is not None and not self.ignore_eos:
+                tokens.add(eos_token_id)
+        return len(tokens)
 
     @property
     def greedy(self) -> bool:

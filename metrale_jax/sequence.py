@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 from typing import Any
 
 from metrale_jax.outputs import CompletionOutput, Logprob, PositionLogprobs
@@ -18,6 +19,9 @@ from metrale_jax.tokenizer import IncrementalDetokenizer, Tokenizer
 
 # Large enough to rule a token out under any temperature, small enough to stay finite.
 _BANNED = -1e9
+# Sequence identities: never reused in a process, unlike id(), which a new object may
+# inherit from a finished one (the runner keys per-slot device state on it).
+_uids = itertools.count(1)
 
 
 class Status(enum.Enum):
@@ -66,6 +70,7 @@ class Sequence:
     spilled_blocks: int = 0
     block_hashes: list = dataclasses.field(default_factory=list)  # committed prefix chain
     error: str | None = None
+    uid: int = dataclasses.field(default_factory=lambda: next(_uids))
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:

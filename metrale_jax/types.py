@@ -63,6 +63,9 @@ class ScheduledRow:
     # Prompt-logprob targets for this chunk's positions: the token that follows each one
     # (-1 where there is none or it is not wanted). Empty when not asked for.
     targets: Sequence[int] = ()
+    seq_id: int = 0                   # the sequence's identity, unique for the engine's life:
+                                      # the runner trusts what earlier steps left in a slot's
+                                      # device tables only for the same sequence (0: never)
 
     @property
     def end(self) -> int:

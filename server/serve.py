@@ -58,6 +58,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--num-kv-blocks", type=int, default=None)
     e.add_argument("--max-logprobs", type=int, default=20)
+    e.add_argument("--max-logit-bias", type=int, default=1024,
+                   help="logit-bias entries a request may carry (a device table per slot)")
     e.add_argument("--prefill-chunk-size", type=int, default=256)
     e.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs")
     e.add_argument("--kernel-backend", choices=("auto", "pallas", "xla"), default="auto")
@@ -89,6 +91,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = dict(max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
                   max_tokens_per_tick=budget, block_size=args.block_size,
                   num_kv_blocks=args.num_kv_blocks, max_logprobs=args.max_logprobs,
+                  max_logit_bias=args.max_logit_bias,
                   prefill_chunk_size=args.prefill_chunk_size, policy=args.policy,
                   kernel_backend=args.kernel_backend, spill_dir=args.spill_dir,
                   enable_prefix_cache=not args.no_prefix_cache,

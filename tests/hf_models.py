@@ -36,3 +36,15 @@ def _save(model, path: pathlib.Path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ASSET_DIR / name, path / name)
     return model
+
+
+def save_tiny_llama(path: pathlib.Path) -> "LlamaForCausalLM":
+    """A seeded random Llama (two layers, grouped KV heads), saved the same way."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.1)).eval()
+    return _save(model, path)

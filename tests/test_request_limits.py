@@ -22,3 +22,21 @@ def test_max_tokens_must_fit_only_where_asked():
     # A prompt that is itself too long is named as such, not as a max_tokens problem.
     with pytest.raises(RequestError, match="^prompt: "):
         check_context(70, 5, 64, max_tokens_must_fit=True)
+
+
+def test_logit_bias_entries_within_the_engines_table():
+    # Each sequence slot keeps a device table of max_logit_bias entries; a request with more
+    # is refused where it enters, never cut or compiled for.
+    from metrale_jax.request import SamplingParams
+
+    SamplingParams(logit_bias={i: 1.0 for i in range(8)}).check_against(100, 5, 8, 2)
+    with pytest.raises(RequestError, match=r"^logit_bias: 9 entries exceed .*max_logit_bias \(8\)"):
+        SamplingParams(logit_bias={i: 1.0 for i in range(9)}).check_against(100, 5, 8, 2)
+    # Until min_tokens, the stop token ids and EOS are banned through the same table.
+    banned = SamplingParams(logit_bias={i: 1.0 for i in range(6)}, stop_token_ids=[50, 51],
+                            min_tokens=3)
+    with pytest.raises(RequestError, match="9 entries .*min_tokens"):
+        banned.check_against(100, 5, 8, eos_token_id=70)
+    banned.check_against(100, 5, 8, eos_token_id=3)  # EOS already among the biased ids
+    SamplingParams(logit_bias={i: 1.0 for i in range(6)}, stop_token_ids=[50, 51],
+                   min_tokens=3, ignore_eos=True).check_against(100, 5, 8, eos_token_id=70)

@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 from metrale_jax.runner.sampler import (
     RowSampling,
     SamplingArrays,
+    bias_and_penalties,
+    host_tables,
     logprobs_of,
     make_sampling_arrays,
     needs_filters,
-    needs_penalties,
     sample,
 )
 
@@ -31,15 +32,13 @@ def _np_log_softmax(x: np.ndarray) -> np.ndarray:
 @pytest.fixture(scope="module")
 def sample_fn():
     """One jitted entry per static config; jax caches per (flags, shapes)."""
-    return jax.jit(
-        sample, static_argnames=("num_top", "apply_penalties", "apply_filters", "vocab_size")
-    )
+    return jax.jit(sample, static_argnames=("num_top", "apply_filters", "vocab_size"))
 
 
-def _uniform_rows(n: int, history_len: int = 0, bias_len: int = 0, **kw) -> SamplingArrays:
+def _uniform_rows(n: int, **kw) -> SamplingArrays:
     """n identical rows with counters 0..n-1 (n independent draws)."""
     rows = [RowSampling(counter=i, **kw) for i in range(n)]
-    return make_sampling_arrays(rows, n, history_len, bias_len)
+    return make_sampling_arrays(rows, n)
 
 
 # ---------------------------------------------------------------- greedy / logprobs
@@ -49,8 +48,8 @@ def test_greedy_equals_argmax_and_raw_logprobs(sample_fn):
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(6, 50)).astype(np.float32) * 3
     # Padding rows (beyond the 5 real ones) must be greedy too.
-    params = make_sampling_arrays([RowSampling(seed=i) for i in range(5)], 6, 0, 0)
-    out = sample_fn(logits, params, num_top=NUM_TOP, apply_penalties=False, apply_filters=False)
+    params = make_sampling_arrays([RowSampling(seed=i) for i in range(5)], 6)
+    out = sample_fn(logits, params, num_top=NUM_TOP, apply_filters=False)
     np.testing.assert_array_equal(np.asarray(out.tokens), logits.argmax(-1))
 
     ref = _np_log_softmax(logits)
@@ -68,8 +67,8 @@ def test_sampled_logprobs_are_raw_even_with_temperature_and_bias(sample_fn):
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(8, 30)).astype(np.float32)
     rows = [RowSampling(temperature=0.3, top_k=5, counter=i, logit_bias={3: 2.0}) for i in range(8)]
-    params = make_sampling_arrays(rows, 8, 0, 2)
-    out = sample_fn(logits, params, num_top=NUM_TOP, apply_penalties=False, apply_filters=True)
+    params = make_sampling_arrays(rows, 8)
+    out = sample_fn(logits, params, host_tables(rows, 1, 2), num_top=NUM_TOP, apply_filters=True)
     ref = _np_log_softmax(logits)
     tokens = np.asarray(out.tokens)
     np.testing.assert_allclose(np.asarray(out.logprobs), ref[np.arange(8), tokens], atol=1e-5)
@@ -95,7 +94,7 @@ def test_vocab_padding_is_never_chosen(sample_fn):
     logits = np.zeros((64, 16), np.float32)
     logits[:, 12:] = 100.0  # padding columns with huge logits
     params = _uniform_rows(64, temperature=1.0)
-    out = sample_fn(logits, params, num_top=2, apply_penalties=False, apply_filters=False, vocab_size=12)
+    out = sample_fn(logits, params, num_top=2, apply_filters=False, vocab_size=12)
     assert np.asarray(out.tokens).max() < 12
     assert np.asarray(out.top_ids).max() < 12
     np.testing.assert_allclose(np.asarray(out.logprobs), np.log(1 / 12), atol=1e-5)
@@ -115,20 +114,20 @@ def test_seeded_draws_reproduce_across_batch_layout(sample_fn):
         rows.insert(position, target)
         logits = rng.normal(size=(8, 1000)).astype(np.float32)
         logits[position] = row_logits
-        params = make_sampling_arrays(rows, 8, 0, 0)
-        out = sample_fn(logits, params, num_top=0, apply_penalties=False, apply_filters=False)
+        params = make_sampling_arrays(rows, 8)
+        out = sample_fn(logits, params, num_top=0, apply_filters=False)
         return int(out.tokens[position])
 
     first = token_at(0, others)
     assert all(token_at(p, others[::-1]) == first for p in (3, 7))
-    alone = make_sampling_arrays([target], 8, 0, 0)
-    out = sample_fn(np.tile(row_logits, (8, 1)), alone, num_top=0, apply_penalties=False, apply_filters=False)
+    alone = make_sampling_arrays([target], 8)
+    out = sample_fn(np.tile(row_logits, (8, 1)), alone, num_top=0, apply_filters=False)
     assert int(out.tokens[0]) == first
 
     # Flat-ish distribution over 1000 tokens: 64 counters must not all collide.
     params = _uniform_rows(64, temperature=1.0)
     params = dataclasses.replace(params, seeds=np.full(64, 1234, np.uint32))
-    out = sample_fn(np.tile(row_logits, (64, 1)), params, num_top=0, apply_penalties=False, apply_filters=False)
+    out = sample_fn(np.tile(row_logits, (64, 1)), params, num_top=0, apply_filters=False)
     assert len(set(np.asarray(out.tokens).tolist())) > 20
 
 
@@ -137,13 +136,13 @@ def test_temperature_change_does_not_recompile():
 
     def counted(logits, params):
         traces.append(1)
-        return sample(logits, params, num_top=2, apply_penalties=False, apply_filters=True)
+        return sample(logits, params, num_top=2, apply_filters=True)
 
     fn = jax.jit(counted)
     logits = np.random.default_rng(4).normal(size=(4, 20)).astype(np.float32)
     for temp, k, p in [(0.0, 0, 1.0), (0.7, 3, 0.9), (1.3, 0, 0.5), (0.0, 5, 1.0)]:
         rows = [RowSampling(temperature=temp, top_k=k, top_p=p, seed=9, counter=i) for i in range(3)]
-        fn(logits, make_sampling_arrays(rows, 4, 0, 0)).tokens.block_until_ready()
+        fn(logits, make_sampling_arrays(rows, 4)).tokens.block_until_ready()
     assert len(traces) == 1
 
 
@@ -154,7 +153,7 @@ def test_unfiltered_frequencies_match_softmax(sample_fn):
     n = 20000
     logits = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 1.5], np.float32)
     params = _uniform_rows(n, temperature=1.0, seed=77)
-    out = sample_fn(np.tile(logits, (n, 1)), params, num_top=0, apply_penalties=False, apply_filters=False)
+    out = sample_fn(np.tile(logits, (n, 1)), params, num_top=0, apply_filters=False)
     freq = np.bincount(np.asarray(out.tokens), minlength=8) / n
     probs = np.exp(_np_log_softmax(logits))
     assert 0.5 * np.abs(freq - probs).sum() < 0.015
@@ -163,10 +162,8 @@ def test_unfiltered_frequencies_match_softmax(sample_fn):
 def test_temperature_sharpens(sample_fn):
     n = 4000
     logits = np.array([1.0, 0.0, 0.0, 0.0], np.float32)
-    hot = sample_fn(np.tile(logits, (n, 1)), _uniform_rows(n, temperature=5.0), num_top=0,
-                    apply_penalties=False, apply_filters=False)
-    cold = sample_fn(np.tile(logits, (n, 1)), _uniform_rows(n, temperature=0.2), num_top=0,
-                     apply_penalties=False, apply_filters=False)
+    hot = sample_fn(np.tile(logits, (n, 1)), _uniform_rows(n, temperature=5.0), num_top=0, apply_filters=False)
+    cold = sample_fn(np.tile(logits, (n, 1)), _uniform_rows(n, temperature=0.2), num_top=0, apply_filters=False)
     p_hot = np.mean(np.asarray(hot.tokens) == 0)
     p_cold = np.mean(np.asarray(cold.tokens) == 0)
     # softmax([5,0,0,0]) ~ 0.98, softmax([.2,0,0,0]) ~ 0.29
@@ -192,8 +189,7 @@ FILTER_LOGITS = np.array([3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0, 2.2, 1.8], n
 )
 def test_filters_never_emit_excluded_tokens(sample_fn, kw, allowed):
     params = _uniform_rows(N_DRAWS, temperature=1.0, seed=5, **kw)
-    out = sample_fn(np.tile(FILTER_LOGITS, (N_DRAWS, 1)), params, num_top=0,
-                    apply_penalties=False, apply_filters=True)
+    out = sample_fn(np.tile(FILTER_LOGITS, (N_DRAWS, 1)), params, num_top=0, apply_filters=True)
     seen = set(np.asarray(out.tokens).tolist())
     assert seen == allowed
 
@@ -235,8 +231,7 @@ def test_hypothesis_sample_inside_allowed_set(sample_fn, logits, temperature, to
     logits = np.asarray(logits, np.float32)
     params = _uniform_rows(HYP_ROWS, temperature=temperature, top_k=top_k, top_p=top_p,
                            min_p=min_p, seed=seed)
-    out = sample_fn(np.tile(logits, (HYP_ROWS, 1)), params, num_top=0,
-                    apply_penalties=False, apply_filters=True)
+    out = sample_fn(np.tile(logits, (HYP_ROWS, 1)), params, num_top=0, apply_filters=True)
     scaled = logits / np.float32(temperature)
     allowed = _np_allowed(scaled, top_k, top_p, min_p, slack=1e-4)
     assert set(np.asarray(out.tokens).tolist()) <= allowed
@@ -249,8 +244,8 @@ LOGITS = np.array([[2.0, 1.8, -0.5, -0.4, 0.0, 1.0]], np.float32)
 
 
 def _greedy(sample_fn, row: RowSampling, history_len=8, bias_len=2, logits=LOGITS):
-    params = make_sampling_arrays([row], 1, history_len, bias_len)
-    out = sample_fn(logits, params, num_top=0, apply_penalties=needs_penalties([row]),
+    params = make_sampling_arrays([row], 1)
+    out = sample_fn(logits, params, host_tables([row], history_len, bias_len), num_top=0,
                     apply_filters=needs_filters([row]))
     return int(out.tokens[0])
 
@@ -294,22 +289,24 @@ def test_repetition_penalty_matches_numpy(sample_fn):
         ref[t] = ref[t] / 1.7 if ref[t] > 0 else ref[t] * 1.7
     for t in set(output):
         ref[t] -= 0.2 * output.count(t) + 0.3
-    from metrale_jax.runner.sampler import penalize
-
-    got = penalize(jnp.asarray(logits), make_sampling_arrays([row], 1, 8, 0))
+    got = bias_and_penalties(jnp.asarray(logits), make_sampling_arrays([row], 1),
+                             host_tables([row], 8, 1))
     np.testing.assert_allclose(np.asarray(got)[0], ref, atol=1e-5)
     assert _greedy(sample_fn, row, logits=logits) == int(np.argmax(ref))
 
 
 def test_penalties_ignore_padding_and_other_rows(sample_fn):
     rows = [RowSampling(presence_penalty=5.0, output_ids=[0]), RowSampling(), RowSampling(temperature=0.0)]
-    params = make_sampling_arrays(rows, 4, 8, 0)
-    out = sample_fn(np.tile(LOGITS, (4, 1)), params, num_top=0, apply_penalties=True, apply_filters=False)
+    params = make_sampling_arrays(rows, 4)
+    out = sample_fn(np.tile(LOGITS, (4, 1)), params, host_tables(rows, 8, 1), num_top=0,
+                    apply_filters=False)
     np.testing.assert_array_equal(np.asarray(out.tokens), [1, 0, 0, 0])
 
 
 def test_builder_rejects_overflow():
     with pytest.raises(ValueError):
-        make_sampling_arrays([RowSampling(repetition_penalty=1.2, prompt_ids=[1, 2, 3])], 1, 2, 0)
+        host_tables([RowSampling(repetition_penalty=1.2, prompt_ids=[1, 2, 3])], 2, 1)
     with pytest.raises(ValueError):
-        make_sampling_arrays([RowSampling()] * 3, 2, 0, 0)
+        host_tables([RowSampling(logit_bias={1: 1.0, 2: 1.0})], 2, 1)
+    with pytest.raises(ValueError):
+        make_sampling_arrays([RowSampling()] * 3, 2)

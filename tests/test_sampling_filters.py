@@ -192,15 +192,13 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def sample_fn():
-    return jax.jit(sample, static_argnames=("num_top", "apply_penalties", "apply_filters",
-                                            "vocab_size"))
+    return jax.jit(sample, static_argnames=("num_top", "apply_filters", "vocab_size"))
 
 
 def _draw_tokens(sample_fn, logits, kw):
     rows = [RowSampling(temperature=TEMP, seed=11, counter=i, **kw) for i in range(N_DRAWS)]
-    params = make_sampling_arrays(rows, N_DRAWS, 0, 0)
-    out = sample_fn(np.tile(logits, (N_DRAWS, 1)), params, num_top=0, apply_penalties=False,
-                    apply_filters=True)
+    params = make_sampling_arrays(rows, N_DRAWS)
+    out = sample_fn(np.tile(logits, (N_DRAWS, 1)), params, num_top=0, apply_filters=True)
     return np.asarray(out.tokens)
 
 

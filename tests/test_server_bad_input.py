@@ -109,6 +109,8 @@ CASES = [
      "logit_bias", "token id"),
     ("logit-bias-out-of-range", "post", CMPL, {**OK, "logit_bias": {"5": 500}}, None, 400,
      "logit_bias", "[-100, 100]"),
+    ("logit-bias-too-many", "post", CMPL, {**OK, "logit_bias": {str(i): 1 for i in range(1025)}},
+     None, 400, "logit_bias", "max_logit_bias (1024)"),
     ("stream-not-bool", "post", CMPL, {**OK, "stream": "yes"}, None, 400, "stream", "true"),
     ("stream-options-without-stream", "post", CMPL,
      {**OK, "stream_options": {"include_usage": True}}, None, 400, "stream_options", "stream"),

@@ -92,7 +92,7 @@ class BareStep:
         self.batch, self.context = batch, context
         # Host arrays, sent every step as the engine sends its own (one packed transfer).
         self.arrays = build_step_batch(rows, shape, BLOCK)
-        self.sampling = make_sampling_arrays([], shape.rows, 0, 0)
+        self.sampling = make_sampling_arrays([], shape.rows)
         self.options = StepOptions(num_top=self.engine.engine_config.max_logprobs)
         self.tokens_per_s(3)
 
@@ -101,8 +101,8 @@ class BareStep:
         t0 = time.perf_counter()
         previous = None
         for _ in range(steps):
-            out, runner.caches, runner.future = runner.step(
-                self.arrays, self.sampling, None, runner.caches, runner.future, self.options)
+            out, runner.caches, runner.tables = runner.step(
+                self.arrays, self.sampling, None, runner.caches, runner.tables, self.options)
             if previous is not None:
                 np.asarray(previous.sampled.tokens)
             previous = out

@@ -77,17 +77,15 @@ CASES = {
 def run(vocab: int, rounds: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     logits = {s: jnp.asarray(_logits(rng, vocab, s)) for s in ("peaked", "flat")}
-    new = jax.jit(sample, static_argnames=("num_top", "apply_penalties", "apply_filters",
-                                           "vocab_size"))
+    new = jax.jit(sample, static_argnames=("num_top", "apply_filters", "vocab_size"))
     old = jax.jit(_sort_based_sample, static_argnames=("num_top",))
     fns, kept = {}, {}
     for name, (kw, shape) in CASES.items():
         rows = [RowSampling(seed=i, counter=3, **kw) for i in range(ROWS)]
-        params = make_sampling_arrays(rows, ROWS, 0, 0)
+        params = make_sampling_arrays(rows, ROWS)
         filt = any(r.uses_filters for r in rows)
         x = logits[shape]
-        fns[name] = lambda x=x, p=params, f=filt: new(x, p, num_top=NUM_TOP,
-                                                       apply_penalties=False, apply_filters=f)
+        fns[name] = lambda x=x, p=params, f=filt: new(x, p, num_top=NUM_TOP, apply_filters=f)
         if filt:
             fns[name + "/sort_based"] = lambda x=x, p=params: old(x, p, num_top=NUM_TOP)
             masked = filter_logits(x / TEMP, params.top_k, params.top_p, params.min_p)

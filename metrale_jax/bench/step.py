@@ -31,7 +31,9 @@ from metrale_jax.loader.resolve import load
 from metrale_jax.model.caches import DeviceCaches, kv_cache_dtype
 from metrale_jax.runner.buckets import StepShape
 from metrale_jax.runner.inputs import RowChunk, build_step_batch
+from metrale_jax.runner.penalties import history_width
 from metrale_jax.runner.sampler import make_sampling_arrays
+from metrale_jax.runner.slot_tables import allocate_slot_tables
 from metrale_jax.runner.step import StepOptions, StepRunner
 from metrale_jax.types import RowSampling
 from pallas_kernels.backend import KernelOps
@@ -70,13 +72,13 @@ class EngineStep:
         self.shape = shape
         self.arrays = build_step_batch(rows, shape, bs)
         rows_sampling = [sampling] * batch if sampling is not None else []
-        self.sampling = make_sampling_arrays(rows_sampling, shape.rows, 0, 0)
+        self.sampling = make_sampling_arrays(rows_sampling, shape.rows)
         self.options = StepOptions(num_top=engine.engine_config.max_logprobs)
         self()  # compile outside the timed window
 
     def __call__(self) -> None:
         r = self.runner
-        out, r.caches, r.future = r.step(self.arrays, self.sampling, None, r.caches, r.future,
+        out, r.caches, r.tables = r.step(self.arrays, self.sampling, None, r.caches, r.tables,
                                          self.options)
         np.asarray(out.sampled.tokens)
 
@@ -103,16 +105,17 @@ class DenseStep:
         ssm = tuple(jnp.zeros((slots, cfg.mamba_num_heads, cfg.mamba_head_dim,
                                cfg.ssm_state_size), jnp.float32) for _ in cfg.mamba_layers)
         self.caches = jax.device_put(DeviceCaches(kv=kv, conv=conv, ssm=ssm))
-        self.future = jax.device_put(jnp.zeros((slots,), jnp.int32))
+        self.tables = jax.device_put(allocate_slot_tables(
+            slots, slots, history_width(engine_config.max_seq_len), engine_config.max_logit_bias))
         rows = [RowChunk([7], context, [i], i + 1) for i in range(batch)]
         self.arrays = build_step_batch(rows, StepShape(batch, batch, 1, 1), length)
-        self.sampling = make_sampling_arrays([], batch, 0, 0)
+        self.sampling = make_sampling_arrays([], batch)
         self.options = StepOptions(num_top=engine_config.max_logprobs)
         self()
 
     def __call__(self) -> None:
-        out, self.caches, self.future = self.step(self.arrays, self.sampling, None, self.caches,
-                                                  self.future, self.options)
+        out, self.caches, self.tables = self.step(self.arrays, self.sampling, None, self.caches,
+                                                  self.tables, self.options)
         np.asarray(out.sampled.tokens)
 
 

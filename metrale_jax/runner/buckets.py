@@ -1,10 +1,12 @@
 """Shape buckets: the one owner of padded step shapes and of the compiled-variant count.
 
-A step is compiled once per `StepShape` (and per static sampling mode). Ladders are powers of
+A step is compiled once per `StepShape`: no sampling feature is a shape or a static switch
+(filters, penalties, logit bias and prompt scoring are traced conds). Ladders are powers of
 two up to the engine's limits unless the config names them; the block-table width is one
-bucket (`max_blocks_per_seq`) unless named, since attention stops at the longest context. Warm-up compiles the shapes in
-`warmup_shapes()`; `CompileCounter` counts every new compiled variant so tests and telemetry
-can see a compilation in the middle of serving.
+bucket (`max_blocks_per_seq`) unless named, since attention stops at the longest context.
+Warm-up compiles the shapes in `warmup_shapes()` and the runner's other programs (slot-table
+writes, snapshot copy, swap buckets); `CompileCounter` counts every compiled variant of
+every program so tests and telemetry can see a compilation in the middle of serving.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ class BucketLadders:
 
 
 class CompileCounter:
-    """Counts compiled step variants by key; thread-safe because the server reads it."""
+    """Counts compiled variants by key (("step", shape, options), ("swap", bucket, with_state),
+    ...); thread-safe because the server reads it."""
 
     def __init__(self) -> None:
         self._seen: set = set()

@@ -1,8 +1,11 @@
 """Host <-> device: pick a bucket, pack rows, run the jitted step, read results back.
 
-The runner owns the device caches and the compiled step; it knows nothing of requests.
-A caller hands it `ScheduledRow`s (a chunk of one sequence plus its sampling settings) and
-gets numpy `RowResult`s per row: the contract in `metrale_jax.types`.
+The runner owns the device caches, the per-slot tables (runner/slot_tables.py) and the
+compiled programs; it knows nothing of requests. A caller hands it `ScheduledRow`s (a chunk
+of one sequence plus its sampling settings) and gets numpy `RowResult`s per row: the contract
+in `metrale_jax.types`. Every program it can run has a fixed set of shapes, all compiled by
+`warmup` and counted by the `CompileCounter`: the step per bucket, the slot-table writes, the
+snapshot copy and the swap buckets. Nothing compiles while serving.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from metrale_jax.config import EngineConfig
@@ -21,20 +23,23 @@ from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.runner.buckets import BucketLadders, CompileCounter, StepShape
 from metrale_jax.runner.inputs import build_step_batch
 from metrale_jax.runner.progress import WarmupProgress
-from metrale_jax.runner.sampler import make_sampling_arrays, needs_penalties
+from metrale_jax.runner.penalties import history_width
+from metrale_jax.runner.sampler import make_sampling_arrays
+from metrale_jax.runner.slot_tables import (SlotBook, SlotWrite, allocate_slot_tables,
+                                            write_bias, write_history)
 from metrale_jax.runner.step import StepOptions, StepRunner
-from metrale_jax.runner.swap import gather_sequence, scatter_sequence
+from metrale_jax.runner.swap import block_bucket, gather_sequence, scatter_sequence, warm_buckets
 from metrale_jax.types import RowResult, ScheduledRow, StepHandle
+
+# Slot copies travel in groups of this many pairs, padded with null copies 0 -> 0: one
+# compiled program for any number of copies (the scheduler asks for one at a time).
+COPY_WIDTH = 4
 
 
 def _copy_slots(caches: DeviceCaches, src: jax.Array, dst: jax.Array) -> DeviceCaches:
     return dataclasses.replace(
         caches, conv=tuple(c.at[dst].set(c[src]) for c in caches.conv),
         ssm=tuple(s.at[dst].set(s[src]) for s in caches.ssm))
-
-
-def _ceil_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length() if n > 0 else 0
 
 
 class ModelRunner:
@@ -50,8 +55,11 @@ class ModelRunner:
         # future-token cell), then the SSM snapshot slots.
         self.num_seq_slots = engine.max_batch_size + 1
         self.num_slots = self.num_seq_slots + (num_snapshot_slots if self.has_ssm else 0)
+        self._width = history_width(engine.max_seq_len)
         self._allocate_caches()
         self._copy_slots = jax.jit(_copy_slots, donate_argnums=(0,))
+        self._write_history = jax.jit(write_history, donate_argnums=(0,))
+        self._write_bias = jax.jit(write_bias, donate_argnums=(0,))
 
     def _allocate_caches(self) -> None:
         # Committed to the device like every step's outputs: jit keys its cache on that, so
@@ -60,13 +68,16 @@ class ModelRunner:
         self.caches = jax.device_put(allocate_caches(
             cfg, self.num_blocks, engine.block_size,
             self.num_slots if self.has_ssm else 1, kv_cache_dtype(cfg, engine)), device)
-        self.future = jax.device_put(jnp.zeros((self.num_slots,), jnp.int32), device)
+        self.tables = jax.device_put(allocate_slot_tables(
+            self.num_slots, self.num_seq_slots, self._width, engine.max_logit_bias), device)
+        # What the host believes each slot's history and bias hold: nothing, now.
+        self.book = SlotBook(self.num_seq_slots, self._width, engine.max_logit_bias)
 
     def recover(self) -> bool:
         """After a step raised: True when the caches were lost and are now re-allocated
         empty, False when they are intact. They are lost when the failed step consumed them
         (donated buffers deleted) or produced them (reading them raises the step's error)."""
-        leaves = jax.tree.leaves((self.caches, self.future))
+        leaves = jax.tree.leaves((self.caches, self.tables))
         try:
             if not any(leaf.is_deleted() for leaf in leaves):
                 jax.block_until_ready(leaves)
@@ -98,16 +109,13 @@ class ModelRunner:
         """Start the step on the device and return at once (JAX dispatches asynchronously)."""
         shape = self.shape_for(rows)
         batch = build_step_batch(rows, shape, self.engine.block_size)
-        samplings = [r.sampling for r in rows]
-        penalties = needs_penalties(samplings)
-        history = max((len(s.prompt_ids) + len(s.output_ids) for s in samplings if
-                       s.uses_penalties), default=0)
-        bias = max((len(s.logit_bias) for s in samplings), default=0)
-        sampling = make_sampling_arrays(samplings, shape.rows, _ceil_pow2(history) if penalties
-                                        else 0, _ceil_pow2(bias))
-        want_prompt = any(len(r.targets) for r in rows)
+        for write in self.book.plan(rows):
+            self._write_slot(write)
+        sampling = make_sampling_arrays([r.sampling for r in rows], shape.rows,
+                                        slots=[r.ssm_slot for r in rows],
+                                        history_lens=[r.end for r in rows])
         targets = None
-        if want_prompt:
+        if any(len(r.targets) for r in rows):
             flat = np.full(shape.tokens, -1, np.int32)
             cursor = 0
             for r in rows:
@@ -115,9 +123,9 @@ class ModelRunner:
                     flat[cursor:cursor + len(r.targets)] = r.targets
                 cursor += len(r.tokens)
             targets = flat
-        options = StepOptions(num_top=self.engine.max_logprobs, penalties=penalties)
-        out, self.caches, self.future = self.step(batch, sampling, targets, self.caches,
-                                                  self.future, options)
+        options = StepOptions(num_top=self.engine.max_logprobs)
+        out, self.caches, self.tables = self.step(batch, sampling, targets, self.caches,
+                                                  self.tables, options)
         for leaf in jax.tree.leaves(self._wanted(rows, out)):
             leaf.copy_to_host_async()  # start the read-back while the host plans ahead
         return StepHandle(list(rows), out)
@@ -132,20 +140,37 @@ class ModelRunner:
         sampled, ranks, prompt = jax.device_get(self._wanted(handle.rows, handle.out))
         return self._unpack(handle.rows, sampled, ranks, prompt)
 
+    def _write_slot(self, write: SlotWrite) -> None:
+        """A host write into one slot's tables, ordered before the step by data dependence."""
+        slot = np.int32(write.slot)
+        if write.history is not None:
+            self.counter.record(("write_history",))
+            self.tables = self._write_history(self.tables, slot, write.history)
+        if write.bias_ids is not None:
+            self.counter.record(("write_bias",))
+            self.tables = self._write_bias(self.tables, slot, write.bias_ids, write.bias_values)
+
     def gather(self, blocks: Sequence[int], slot: int | None) -> dict[str, np.ndarray]:
         """One sequence's KV pages (and SSM slot) copied to the host, for a spill."""
+        self.counter.record(("swap", block_bucket(len(blocks)), slot is not None))
         return gather_sequence(self.caches, blocks, slot)
 
     def scatter(self, arrays, blocks: Sequence[int], slot: int | None) -> None:
         """A spilled sequence's state written back into (new) blocks and slot."""
+        self.counter.record(("swap", block_bucket(len(blocks)), slot is not None))
         self.caches = scatter_sequence(self.caches, arrays, blocks, slot)
 
     def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy SSM conv/state rows `src` -> `dst` (snapshots), ordered after every step
-        already dispatched."""
-        if self.has_ssm and len(src):
-            self.caches = self._copy_slots(self.caches, jnp.asarray(src, jnp.int32),
-                                           jnp.asarray(dst, jnp.int32))
+        already dispatched; in groups of COPY_WIDTH pairs, padded with null copies."""
+        if not self.has_ssm:
+            return
+        for i in range(0, len(src), COPY_WIDTH):
+            pairs = np.zeros((2, COPY_WIDTH), np.int32)
+            group = slice(i, i + COPY_WIDTH)
+            pairs[0, :len(src[group])], pairs[1, :len(dst[group])] = src[group], dst[group]
+            self.counter.record(("copy_slots",))
+            self.caches = self._copy_slots(self.caches, pairs[0], pairs[1])
 
     @staticmethod
     def _unpack(rows: Sequence[ScheduledRow], s, ranks, prompt) -> list[RowResult]:
@@ -168,18 +193,35 @@ class ModelRunner:
     def warmup(self, shapes: Sequence[StepShape] | None = None, *, progress: bool = True,
                ) -> int:
         """Compile the step for `shapes` (default: every bucket combination) with a batch of
-        padding only, showing progress; returns how many shapes were compiled."""
+        padding only, then every other program serving can run, showing progress; returns
+        how many step shapes were compiled."""
         shapes = list(shapes) if shapes is not None else self.warmup_shapes()
-        with WarmupProgress(len(shapes), enabled=progress) as bar:
+        with WarmupProgress(len(shapes) + 1, enabled=progress) as bar:
             for shape in shapes:
                 empty = build_step_batch([], shape, self.engine.block_size)
-                sampling = make_sampling_arrays([], shape.rows, 0, 0)
-                out, self.caches, self.future = self.step(
-                    empty, sampling, None,
-                    self.caches, self.future, StepOptions(num_top=self.engine.max_logprobs))
+                out, self.caches, self.tables = self.step(
+                    empty, make_sampling_arrays([], shape.rows), None, self.caches,
+                    self.tables, StepOptions(num_top=self.engine.max_logprobs))
                 jax.block_until_ready(out.sampled.tokens)
                 bar.advance()
+            self._warm_side_programs()
+            bar.advance()
         return len(shapes)
+
+    def _warm_side_programs(self) -> None:
+        """The programs beside the step, run on padding so they change nothing: the slot
+        table writes (into the null slot 0, which no row reads from), the snapshot copy
+        (null copies 0 -> 0) and every swap bucket (null block reads, dropped writes)."""
+        self._write_slot(SlotWrite(
+            0, history=np.full(self.book.history_len, -1, np.int32),
+            bias_ids=np.full(self.book.bias_len, -1, np.int32),
+            bias_values=np.zeros(self.book.bias_len, np.float32)))
+        self.copy_slots([0], [0])
+        self.caches, buckets = warm_buckets(self.caches, self.engine.max_blocks_per_seq,
+                                            with_state=self.has_ssm)
+        for b in buckets:
+            self.counter.record(("swap", b, self.has_ssm))
+        jax.block_until_ready((self.caches, self.tables))
 
     def warmup_shapes(self) -> list[StepShape]:
         lad = self.ladders

@@ -2,12 +2,15 @@
 
 Every per-request knob is an array so that changing a request's temperature
 (or any other value) reuses the compiled program; only the shapes (rows S,
-vocab V, history P, bias B) and the static flags of `sample` select a program.
+vocab V) and the static arguments of `sample` select a program. Penalties and logit
+bias read per-slot device tables of fixed widths (runner/penalties.py), each under a
+traced cond, so no request feature is a shape or a static switch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -15,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from metrale_jax.runner.penalties import (SamplingTables, apply_slot_bias, penalize,
+                                          penalty_counts, uses_penalties)
 from metrale_jax.types import RowSampling
 
 _NEG_INF = -jnp.inf
@@ -34,10 +39,10 @@ class SamplingArrays:
     repetition_penalty: Float[Array, "S"]  # 1.0 = off
     presence_penalty: Float[Array, "S"]  # 0.0 = off
     frequency_penalty: Float[Array, "S"]  # 0.0 = off
-    history_ids: Int[Array, "S P"]  # prompt + output ids, -1 padded
-    history_is_output: Bool[Array, "S P"]
-    bias_ids: Int[Array, "S B"]  # -1 padded
-    bias_values: Float[Array, "S B"]
+    slots: Int[Array, "S"]  # the row's slot in the SamplingTables (0: padding)
+    history_lens: Int[Array, "S"]  # history[slot, :len] is the row's prompt + output
+    prompt_lens: Int[Array, "S"]  # the first prompt_len of those are prompt
+    bias_on: Bool[Array, "S"]  # the row adds its slot's logit-bias entries
 
 
 @jax.tree_util.register_dataclass
@@ -49,51 +54,35 @@ class SampleResult:
     top_logprobs: Float[Array, "S K"]  # sorted descending
 
 
-def needs_penalties(rows: Sequence[RowSampling]) -> bool:
-    """Value for `sample(apply_penalties=...)`."""
-    return any(r.uses_penalties for r in rows)
-
-
 def needs_filters(rows: Sequence[RowSampling]) -> bool:
     """Value for `sample(apply_filters=...)`."""
     return any(r.uses_filters for r in rows)
 
 
 def make_sampling_arrays(
-    rows: Sequence[RowSampling], num_rows: int, history_len: int, bias_len: int
+    rows: Sequence[RowSampling], num_rows: int, slots: Sequence[int] = (),
+    history_lens: Sequence[int] = (),
 ) -> SamplingArrays:
     """Packs rows into numpy arrays padded to `num_rows` (padding rows are greedy
-    with everything off). Histories are only filled for rows that use penalties,
-    so `history_len` may be 0 when none do."""
+    with everything off, in slot 0). `slots`: each row's slot in the SamplingTables
+    (default: row i in slot i + 1, as `host_tables` lays them out); `history_lens`: the
+    length of each row's history there (default: its prompt + output ids)."""
     if len(rows) > num_rows:
         raise ValueError(f"{len(rows)} rows do not fit in {num_rows}")
+    n = len(rows)
 
     def col(name: str, default, dtype) -> np.ndarray:
         out = np.full((num_rows,), default, dtype=dtype)
-        out[: len(rows)] = [getattr(r, name) for r in rows]
+        out[:n] = [getattr(r, name) for r in rows]
         return out
 
-    history_ids = np.full((num_rows, history_len), -1, dtype=np.int32)
-    history_is_output = np.zeros((num_rows, history_len), dtype=bool)
-    bias_ids = np.full((num_rows, bias_len), -1, dtype=np.int32)
-    bias_values = np.zeros((num_rows, bias_len), dtype=np.float32)
-    for i, r in enumerate(rows):
-        if r.uses_penalties:
-            n_p, n_o = len(r.prompt_ids), len(r.output_ids)
-            if n_p + n_o > history_len:
-                # Truncating would silently change repetition-penalty semantics.
-                raise ValueError(f"row {i}: history {n_p + n_o} > {history_len}")
-            history_ids[i, :n_p] = r.prompt_ids
-            history_ids[i, n_p : n_p + n_o] = r.output_ids
-            history_is_output[i, n_p : n_p + n_o] = True
-        if r.logit_bias:
-            if len(r.logit_bias) > bias_len:
-                raise ValueError(f"row {i}: {len(r.logit_bias)} biases > {bias_len}")
-            bias_ids[i, : len(r.logit_bias)] = list(r.logit_bias.keys())
-            bias_values[i, : len(r.logit_bias)] = list(r.logit_bias.values())
+    def per_row(values, dtype) -> np.ndarray:
+        out = np.zeros((num_rows,), dtype=dtype)
+        out[:n] = np.fromiter(values, dtype, n)
+        return out
 
     seeds = np.zeros((num_rows,), dtype=np.uint32)
-    seeds[: len(rows)] = [r.seed & 0xFFFFFFFF for r in rows]
+    seeds[:n] = [r.seed & 0xFFFFFFFF for r in rows]
     return SamplingArrays(
         temperature=col("temperature", 0.0, np.float32),
         top_k=col("top_k", 0, np.int32),
@@ -104,51 +93,32 @@ def make_sampling_arrays(
         repetition_penalty=col("repetition_penalty", 1.0, np.float32),
         presence_penalty=col("presence_penalty", 0.0, np.float32),
         frequency_penalty=col("frequency_penalty", 0.0, np.float32),
-        history_ids=history_ids,
-        history_is_output=history_is_output,
-        bias_ids=bias_ids,
-        bias_values=bias_values,
+        slots=per_row(slots if len(slots) else range(1, n + 1), np.int32),
+        history_lens=per_row(history_lens if len(history_lens) else
+                             (len(r.prompt_ids) + len(r.output_ids) for r in rows), np.int32),
+        prompt_lens=per_row((len(r.prompt_ids) for r in rows), np.int32),
+        bias_on=per_row((bool(r.logit_bias) for r in rows), np.bool_),
     )
 
 
-def _scatter_index(ids: Int[Array, "S N"], vocab: int) -> Int[Array, "S N"]:
-    # jnp scatters wrap negative indices even with mode="drop", so route padding
-    # (-1) and out-of-vocab ids to index `vocab`, which "drop" then discards.
-    return jnp.where((ids >= 0) & (ids < vocab), ids, vocab)
-
-
-def _row_scatter_add(
-    base: Array, ids: Int[Array, "S N"], values: Array
-) -> Array:
-    rows = jnp.arange(base.shape[0])[:, None]
-    return base.at[rows, _scatter_index(ids, base.shape[1])].add(values, mode="drop")
-
-
-def apply_logit_bias(
-    logits: Float[Array, "S V"], ids: Int[Array, "S B"], values: Float[Array, "S B"]
-) -> Float[Array, "S V"]:
-    if ids.shape[1] == 0:
-        return logits
-    return _row_scatter_add(logits, ids, values.astype(logits.dtype))
-
-
-def penalize(
-    logits: Float[Array, "S V"], p: SamplingArrays
-) -> Float[Array, "S V"]:
-    """Repetition (prompt+output, HF/vLLM) then frequency/presence (output, OpenAI)."""
-    if p.history_ids.shape[1] == 0:
-        return logits
-    zeros = jnp.zeros(logits.shape, jnp.int32)
-    valid = p.history_ids >= 0
-    seen = _row_scatter_add(zeros, p.history_ids, valid.astype(jnp.int32)) > 0
-    out_counts = _row_scatter_add(
-        zeros, p.history_ids, (valid & p.history_is_output).astype(jnp.int32)
-    ).astype(logits.dtype)
-    rep = p.repetition_penalty[:, None].astype(logits.dtype)
-    penalized = jnp.where(logits > 0, logits / rep, logits * rep)
-    logits = jnp.where(seen, penalized, logits)
-    logits = logits - p.frequency_penalty[:, None] * out_counts
-    return logits - p.presence_penalty[:, None] * (out_counts > 0)
+def host_tables(rows: Sequence[RowSampling], history_len: int, bias_len: int,
+                ) -> SamplingTables:
+    """SamplingTables for `rows` laid out as `make_sampling_arrays` defaults them (row i in
+    slot i + 1, slot 0 empty), histories and biases written: for tests and benchmarks that
+    sample without a runner. Overflowing a width is an error, never a silent cut."""
+    history = np.full((len(rows) + 1, history_len), -1, np.int32)
+    bias_ids = np.full((len(rows) + 1, bias_len), -1, np.int32)
+    bias_values = np.zeros((len(rows) + 1, bias_len), np.float32)
+    for i, r in enumerate(rows, start=1):
+        n = len(r.prompt_ids) + len(r.output_ids)
+        if n > history_len:
+            raise ValueError(f"row {i - 1}: history {n} > {history_len}")
+        history[i, :n] = list(itertools.chain(r.prompt_ids, r.output_ids))
+        if len(r.logit_bias) > bias_len:
+            raise ValueError(f"row {i - 1}: {len(r.logit_bias)} biases > {bias_len}")
+        bias_ids[i, :len(r.logit_bias)] = list(r.logit_bias.keys())
+        bias_values[i, :len(r.logit_bias)] = list(r.logit_bias.values())
+    return SamplingTables(history, bias_ids, bias_values)
 
 
 # Sampling filters without a full sort.
@@ -387,23 +357,20 @@ def _mask_vocab(logits: Array, vocab_size: int | None) -> Float[Array, "S V"]:
 def sample(
     logits: Float[Array, "S V"],
     params: SamplingArrays,
+    tables: SamplingTables | None = None,
     *,
     num_top: int,
-    apply_penalties: bool,
-    apply_filters: bool,
+    apply_filters: bool = True,
     vocab_size: int | None = None,
 ) -> SampleResult:
-    """Choose one token per row. Static: num_top, apply_penalties, apply_filters,
-    vocab_size (columns >= vocab_size are padding and never chosen). With
-    apply_filters the filters run only when some row asks for one (a traced cond), so
-    one compiled step serves batches with and without them. Logit bias is applied
-    whenever B > 0. Returned logprobs are raw (pre-processing)."""
+    """Choose one token per row. Static: num_top, apply_filters, vocab_size (columns
+    >= vocab_size are padding and never chosen). Logit bias, penalties and (with
+    apply_filters) the filters each run only when some row asks for them (traced conds),
+    so one compiled step serves every batch; bias and penalties read `tables` through
+    each row's slot (None: no row may use them). Returned logprobs are raw."""
     logits = _mask_vocab(logits, vocab_size)
     raw_logp = jax.nn.log_softmax(logits, axis=-1)
-
-    processed = apply_logit_bias(logits, params.bias_ids, params.bias_values)
-    if apply_penalties:
-        processed = penalize(processed, params)
+    processed = logits if tables is None else bias_and_penalties(logits, params, tables)
     greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     is_greedy = params.temperature <= 0.0
 
@@ -465,6 +432,26 @@ def sample(
     return SampleResult(
         tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_vals
     )
+
+
+def bias_and_penalties(logits: Float[Array, "S V"], params: SamplingArrays,
+                        tables: SamplingTables) -> Float[Array, "S V"]:
+    """Logit bias, then penalties on the biased logits (as before: bias first)."""
+    logits = jax.lax.cond(
+        jnp.any(params.bias_on),
+        lambda x: apply_slot_bias(x, tables, params.slots, params.bias_on),
+        lambda x: x, logits)
+    penalized = uses_penalties(params.repetition_penalty, params.presence_penalty,
+                               params.frequency_penalty)  # [S]
+
+    def apply(x):
+        seen, out = penalty_counts(tables.history, params.slots,
+                                   jnp.where(penalized, params.history_lens, 0),
+                                   params.prompt_lens, x.shape[1])
+        return penalize(x, seen, out, params.repetition_penalty, params.presence_penalty,
+                        params.frequency_penalty)
+
+    return jax.lax.cond(jnp.any(penalized), apply, lambda x: x, logits)
 
 
 def logprobs_of(

@@ -3,7 +3,8 @@
 The NNX model is split once into a graph definition and its parameter leaves; the step
 rebuilds the module inside the trace, so parameters are traced arguments (never closure
 constants) and a call costs one flat list of leaves. Caches are donated: XLA updates the
-KV pages and SSM slots in place.
+KV pages and SSM slots in place; so are the per-slot tables (runner/slot_tables.py): the
+future-token cells, the token history the penalties read and the logit-bias entries.
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ from metrale_jax.model.caches import DeviceCaches
 from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.runner.buckets import CompileCounter, StepShape
 from metrale_jax.runner.sampler import SampleResult, SamplingArrays, logprobs_of, sample
+from metrale_jax.runner.slot_tables import SlotTables, record_tokens
 from metrale_jax.runner.transfer import Layout, pack, unpack
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
-    """Static switches of a step; each combination is its own compiled variant."""
+    """Static switches of a step; each combination is its own compiled variant. Serving uses
+    one (the engine's num_top); every per-request feature is traced, not a switch."""
 
     num_top: int = 20              # top-n logprobs computed for every row
-    penalties: bool = False        # some row uses repetition/presence/frequency penalties
     # Return each row's last hidden state (MTP drafting reads it); off, nothing is copied back.
     return_hidden: bool = False
 
@@ -63,51 +65,53 @@ class StepRunner:
         self.counter = counter or CompileCounter()
         self._jitted = jax.jit(
             functools.partial(_step, graphdef, treedef),
-            static_argnames=("layout", "options"), donate_argnames=("caches", "future"))
+            static_argnames=("layout", "options"), donate_argnames=("caches", "tables"))
 
     @property
     def params(self) -> list[jax.Array]:
         return self._leaves
 
     def __call__(self, batch: StepBatch, sampling: SamplingArrays, targets: jax.Array | None,
-                 caches: DeviceCaches, future: jax.Array, options: StepOptions,
-                 ) -> tuple[StepOutput, DeviceCaches, jax.Array]:
-        """Run one step. `future` holds each slot's latest sampled token on the device:
-        a negative token id -f in the batch is read from `future[f]`, and every row's sampled
-        token is written to `future[its slot]` (the async pipeline's hand-off)."""
+                 caches: DeviceCaches, tables: SlotTables, options: StepOptions,
+                 ) -> tuple[StepOutput, DeviceCaches, SlotTables]:
+        """Run one step. `tables.future` holds each slot's latest sampled token on the
+        device: a negative token id -f in the batch is read from `future[f]`, and every
+        row's sampled token is written to `future[its slot]` (the async pipeline's
+        hand-off). Every token of the batch is recorded in its slot's history."""
         shape = StepShape(batch.num_tokens, batch.num_rows, batch.query_len,
                           batch.block_tables.shape[1])
-        self.counter.record((shape, options, sampling.history_ids.shape[1],
-                             sampling.bias_ids.shape[1]))
+        self.counter.record(("step", shape, options))
         if targets is None:  # nothing to score; the same shape keeps the same variant
             targets = np.full((batch.num_tokens,), -1, np.int32)
         buffers, layout = pack((batch, sampling, targets))
-        return self._jitted(self._leaves, jax.device_put(buffers), caches, future,
+        return self._jitted(self._leaves, jax.device_put(buffers), caches, tables,
                             layout=layout, options=options)
 
 
 def _step(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: DeviceCaches,
-          future: Int[Array, "slots"], *, layout: Layout, options: StepOptions,
-          ) -> tuple[StepOutput, DeviceCaches, Int[Array, "slots"]]:
+          tables: SlotTables, *, layout: Layout, options: StepOptions,
+          ) -> tuple[StepOutput, DeviceCaches, SlotTables]:
     batch, sampling, targets = unpack(buffers, layout)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     # Tokens still on the device from the previous step arrive as -slot placeholders.
     ids = batch.token_ids
-    batch = dataclasses.replace(batch, token_ids=jnp.where(ids < 0, future[jnp.maximum(-ids, 0)],
-                                                            ids))
+    batch = dataclasses.replace(batch, token_ids=jnp.where(
+        ids < 0, tables.future[jnp.maximum(-ids, 0)], ids))
+    # Recorded before sampling: a row's penalties see its tokens up to this step's end.
+    slot_sampling = dataclasses.replace(
+        tables.sampling, history=record_tokens(tables.sampling.history, batch))
     hidden, caches = model(batch, caches)
     last = hidden[batch.sample_index]
-    vocab = model.cfg.vocab_size
     logits = model.logits(last)
-    sampled = sample(logits, sampling, num_top=options.num_top,
-                     apply_penalties=options.penalties, apply_filters=True,
-                     vocab_size=vocab)
+    sampled = sample(logits, sampling, slot_sampling, num_top=options.num_top,
+                     apply_filters=True, vocab_size=model.cfg.vocab_size)
     prompt = jax.lax.cond(jnp.any(targets >= 0),
                           lambda: _score_prompt(model, hidden, targets, options.num_top),
                           lambda: _no_scores(hidden.shape[0], options.num_top))
-    future = future.at[batch.ssm_slots].set(sampled.tokens)
+    tables = SlotTables(future=tables.future.at[batch.ssm_slots].set(sampled.tokens),
+                        sampling=slot_sampling)
     return StepOutput(sampled=sampled, ranks=_ranks(logits, sampled.tokens),
-                      hidden=last if options.return_hidden else None, prompt=prompt), caches, future
+                      hidden=last if options.return_hidden else None, prompt=prompt), caches, tables
 
 
 def _score_prompt(model: HybridLM, hidden: Float[Array, "T D"], targets: Int[Array, "T"],

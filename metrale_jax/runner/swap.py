@@ -6,9 +6,10 @@ writes to disk. Swap-in (`scatter_sequence`) writes them back into whatever bloc
 the pools hand out then, with the caches donated so XLA updates them in place.
 
 Both directions are one jitted call each. The block count is padded to a power of two so the
-number of compiled variants stays bounded (a handful per cache layout): gather pads with the
-null block 0 and slices the padding off on the host; scatter pads with an out-of-range block
-id and `mode="drop"`, so padding writes nowhere, not even into the null block.
+number of compiled variants stays bounded (a handful per cache layout, all of them compiled
+at warm-up by `warm_buckets`): gather pads with the null block 0 and slices the padding off on
+the host; scatter pads with an out-of-range block id and `mode="drop"`, so padding writes
+nowhere, not even into the null block.
 Array names: `kv{i}_k`, `kv{i}_v` ([n_blocks, kv_heads, block_size, head_dim]) per KV layer,
 `conv{i}` ([K-1, conv_dim]) and `ssm{i}` ([H, P, N] float32) per Mamba2 layer.
 """
@@ -20,7 +21,6 @@ import functools
 from collections.abc import Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, Shaped
 
@@ -34,10 +34,10 @@ def gather_sequence(caches: DeviceCaches, blocks: Sequence[int], slot: int | Non
     """Copy a sequence's KV blocks (and, with a slot, its conv/SSM rows) to the host."""
     _check_blocks(caches, blocks)
     _check_slot(caches, slot)
-    ids = np.zeros(_bucket(len(blocks)), np.int32)  # pad with the null block: read, never kept
+    ids = np.zeros(block_bucket(len(blocks)), np.int32)  # pad with the null block: read, never kept
     ids[:len(blocks)] = blocks
     kv, conv, ssm = jax.device_get(
-        _gather(caches, jnp.asarray(ids), jnp.int32(slot or 0), with_state=slot is not None))
+        _gather(caches, ids, np.int32(slot or 0), with_state=slot is not None))
     n = len(blocks)
     out: dict[str, np.ndarray] = {}
     for i, (k, v) in enumerate(kv):
@@ -53,7 +53,7 @@ def scatter_sequence(caches: DeviceCaches, arrays: Mapping[str, HostArray],
     _check_blocks(caches, blocks, distinct=True)
     _check_slot(caches, slot)
     _check_arrays(caches, arrays, len(blocks), with_state=slot is not None)
-    bucket = _bucket(len(blocks))
+    bucket = block_bucket(len(blocks))
     ids = np.full(bucket, caches.num_blocks, np.int32)  # out of range: dropped by the scatter
     ids[:len(blocks)] = blocks
     kv = tuple((_pad_rows(arrays[f"kv{i}_k"], bucket), _pad_rows(arrays[f"kv{i}_v"], bucket))
@@ -61,7 +61,7 @@ def scatter_sequence(caches: DeviceCaches, arrays: Mapping[str, HostArray],
     with_state = slot is not None
     conv = tuple(arrays[f"conv{i}"] for i in range(len(caches.conv))) if with_state else ()
     ssm = tuple(arrays[f"ssm{i}"] for i in range(len(caches.ssm))) if with_state else ()
-    return _scatter(caches, kv, conv, ssm, jnp.asarray(ids), jnp.int32(slot or 0),
+    return _scatter(caches, kv, conv, ssm, ids, np.int32(slot or 0),
                     with_state=with_state)
 
 
@@ -105,9 +105,31 @@ def _scatter(caches: DeviceCaches, kv: tuple, conv: tuple, ssm: tuple,
 
 # -- host-side checks and padding ----------------------------------------------------------
 
-def _bucket(n: int) -> int:
+def block_bucket(n: int) -> int:
     """Smallest power of two >= n (and >= 1): bounds the compiled variants per cache layout."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def warm_buckets(caches: DeviceCaches, max_blocks: int, with_state: bool,
+                 ) -> tuple[DeviceCaches, list[int]]:
+    """Compile gather and scatter for every bucket a sequence of up to `max_blocks` blocks
+    can need, on padding only (reads of the null block, dropped writes, the null slot 0),
+    with arguments of the kinds a real swap passes (host arrays in, as read from disk), so
+    a real swap finds its program. `caches` is donated; returns them and the buckets."""
+    buckets = [1]
+    while buckets[-1] < max_blocks:
+        buckets.append(2 * buckets[-1])
+    for b in buckets:
+        jax.block_until_ready(_gather(caches, np.zeros(b, np.int32), np.int32(0),
+                                      with_state=with_state))
+        host = {name: np.zeros(shape, dtype) for name, (shape, dtype)
+                in expected_layout(caches, b, with_state).items()}
+        kv = tuple((host[f"kv{i}_k"], host[f"kv{i}_v"]) for i in range(len(caches.kv)))
+        conv = tuple(host[f"conv{i}"] for i in range(len(caches.conv))) if with_state else ()
+        ssm = tuple(host[f"ssm{i}"] for i in range(len(caches.ssm))) if with_state else ()
+        caches = _scatter(caches, kv, conv, ssm, np.full(b, caches.num_blocks, np.int32),
+                          np.int32(0), with_state=with_state)
+    return caches, buckets
 
 
 def _take_rows(a: np.ndarray, rows: int) -> np.ndarray:

@@ -63,7 +63,7 @@ def _row(seq: Sequence, chunk: list[int]) -> PackedRow:
     if seq.prompt_logprobs is not None and start < len(seq.prompt_ids):
         targets = seq.prompt_targets(start, len(chunk))
     scheduled = ScheduledRow(chunk, start, seq.block_table, seq.slot, seq.row_sampling(),
-                             targets)
+                             targets, seq.uid)
     return PackedRow(seq, seq.epoch, start + len(chunk) == seq.virtual_len, scheduled)
 
 

@@ -16,8 +16,9 @@ def must_settle(*, pipeline: bool = True, batch_changes: bool = False,
     pipeline      — False: the plain loop reads every step back before the next tick.
     batch_changes — phase 3: this tick starts or continues a prefill or may resume a parked
                     sequence (their chunks and memory depend on every token read back).
-    penalties     — a decoding sequence uses repetition/presence/frequency penalties: its
-                    token history goes to the device from the host.
+    penalties     — a decoding sequence uses repetition/presence/frequency penalties. The
+                    runner keeps token histories on the device (runner/slot_tables.py),
+                    so a pipelined penalized decode is exact too: this reason is caution.
     needs_room    — a spill or preemption is about to free a sequence's memory: no step may
                     still be writing to it, and its counts must be final.
     empty_batch   — nothing to dispatch: nothing to overlap the read-back with.
