@@ -81,7 +81,7 @@ class FaultyRunner:
         if hasattr(self.inner, "caches"):  # the real runner: the donated buffers are gone
             import jax
 
-            for leaf in jax.tree.leaves((self.inner.caches, self.inner.future)):
+            for leaf in jax.tree.leaves((self.inner.caches, self.inner.tables)):
                 leaf.delete()
         else:  # the fake: garbage where the state was, until recover() re-allocates
             self.inner.kv.fill(-7)
