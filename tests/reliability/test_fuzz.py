@@ -253,7 +253,7 @@ AUTHS = [AUTH, {}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
          {"Authorization": "Basic " + KEY}, {"Authorization": "Bearer"}]
 
 
-@fuzz_settings(400)
+@fuzz_settings(800)
 @given(data=st.data())
 def test_fuzz_methods_paths_queries_and_keys(server, data):
     known = sorted(server.doc["paths"])
