@@ -108,6 +108,9 @@ class SamplingParams:
                       eos_token_id: int | None = None) -> None:
         """Checks that need the model and the engine: token ids in range, logprob counts and
         logit-bias entries within the engine's caps."""
+        if self.top_k > vocab_size:  # the device holds it as int32: 2**31 failed the step
+            raise RequestError(f"top_k: {self.top_k} exceeds the vocabulary (size "
+                               f"{vocab_size}); 0 or -1 keep every token")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and value > max_logprobs:

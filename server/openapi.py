@@ -94,7 +94,8 @@ def _sampling_fields(limits: P.Limits) -> dict:
         "n": _null(_int(1, P.MAX_N)),
         "temperature": _null(_num(0.0, 2.0)),
         "top_p": _null(_num(0.0, 1.0, open_lo=True)),
-        "top_k": _null(_int(-1, desc="-1 or 0: off")),
+        "top_k": _null(_int(-1, desc="-1 or 0: off; a value past the vocabulary keeps "
+                                      "every token, as the vocabulary size does")),
         "min_p": _null(_num(0.0, 1.0)),
         "seed": _null(_int(*P.SEED_RANGE)),
         "presence_penalty": _null(_num(-2.0, 2.0)),
@@ -102,7 +103,8 @@ def _sampling_fields(limits: P.Limits) -> dict:
         "repetition_penalty": _null(_num(0.0, 10.0, open_lo=True)),
         "logit_bias": _null({"type": "object", "propertyNames": {"pattern": r"^\s*[0-9]+\s*$"},
                              "additionalProperties": _num(-P.MAX_LOGIT_BIAS, P.MAX_LOGIT_BIAS),
-                             "description": f"token id -> bias; ids below {limits.vocab_size}"}),
+                             "description": f"token id -> bias; ids below {limits.vocab_size}; "
+                                            "at most the engine's max_logit_bias entries"}),
         "min_tokens": _null(_int(0, desc="at most max_tokens")),
         "stop": _stop_schema(),
         "stop_token_ids": _null(_arr(token)),

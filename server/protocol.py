@@ -312,7 +312,9 @@ def _stop_token_ids(body: dict, vocab_size: int) -> list[int]:
 def sampling_params(body: dict, limits: Limits, *, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None) -> SamplingParams:
     """The fields both endpoints share, each type-checked before SamplingParams sees it."""
-    top_k = get_int(body, "top_k", 0, lo=-1)
+    # A top_k past the vocabulary keeps every token, as the vocabulary size does; cut to it,
+    # the value also fits the device's int32 (2**31 and up failed the whole step).
+    top_k = min(get_int(body, "top_k", 0, lo=-1), limits.vocab_size)
     try:
         return SamplingParams(
             n=get_int(body, "n", 1, lo=1, hi=MAX_N),

@@ -40,3 +40,12 @@ def test_logit_bias_entries_within_the_engines_table():
     banned.check_against(100, 5, 8, eos_token_id=3)  # EOS already among the biased ids
     SamplingParams(logit_bias={i: 1.0 for i in range(6)}, stop_token_ids=[50, 51],
                    min_tokens=3, ignore_eos=True).check_against(100, 5, 8, eos_token_id=70)
+
+
+def test_top_k_within_the_vocabulary():
+    # The step holds top_k as int32: 2**31 and up failed the whole step (found by the fuzzer).
+    from metrale_jax.request import SamplingParams
+
+    SamplingParams(top_k=100).check_against(100, 5)
+    with pytest.raises(RequestError, match=r"^top_k: 2147483648 exceeds the vocabulary"):
+        SamplingParams(top_k=2 ** 31).check_against(100, 5)

@@ -233,3 +233,13 @@ async def test_a_chat_template_that_cannot_render_the_messages_is_a_400(client, 
     error = (await resp.json())["error"]
     assert resp.status == 400 and error["param"] == "messages", error
     assert "TypeError" in error["message"]
+
+
+async def test_a_top_k_past_int32_keeps_every_token_and_fails_no_step(client):
+    # Found by the fuzzer: top_k >= 2**31 overflowed the step's int32 inputs, failing the
+    # step; three such requests in a row stopped the engine (every later request a 503).
+    for _ in range(3):
+        resp = await client.post(CMPL, json={**OK, "top_k": 3_000_885_068}, headers=AUTH)
+        assert resp.status == 200, await resp.text()
+    health = await client.get("/health")
+    assert health.status == 200

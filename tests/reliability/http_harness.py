@@ -15,7 +15,7 @@ from aiohttp import web
 
 SSE_CHUNKS = {"/v1/completions": "CompletionChunk",
               "/v1/chat/completions": "ChatCompletionChunk"}
-REQUEST_TIMEOUT_S = 60
+REQUEST_TIMEOUT_S = 30
 
 
 @dataclasses.dataclass
