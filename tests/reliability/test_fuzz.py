@@ -276,11 +276,10 @@ def test_the_server_serves_as_before_after_fuzzing(server, llm):
     after = json.loads(reply.body)
     assert after["choices"][0]["text"] == server.baseline["choices"][0]["text"]
     assert after["usage"] == server.baseline["usage"]
-    for _ in range(200):  # bounded: aborted requests leave the engine within a few ticks
-        now = json.loads(server.request("GET", "/v1/admin/snapshot", headers=AUTH).body)["now"]
-        if now["requests_in_engine"] == 0 and now["kv_blocks_used"] == 0:
-            break
-        time.sleep(0.01)
+    # No waiting needed: every fuzz request was answered (or its client gone) before this
+    # completion was sent, so the engine drained their aborts before admitting it, and it
+    # publishes its snapshot after releasing it.
+    now = json.loads(server.request("GET", "/v1/admin/snapshot", headers=AUTH).body)["now"]
     assert now["requests_in_engine"] == 0 and now["kv_blocks_used"] == 0, now
     state = server.client.app[STATE]
     assert state.open_seqs == 0 and state.open_requests == 0
