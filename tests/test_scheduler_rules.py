@@ -112,6 +112,12 @@ def _newcomer():
     return make_request(list(range(100, 140)), 2)  # 40 tokens: 11 blocks, only after a spill
 
 
+def _submit_newcomer(core):
+    newcomer = _newcomer()
+    core.inbox.submit(newcomer)
+    return newcomer
+
+
 def _assert_reference(reqs):
     for r in reqs:
         s = r.sequences[0]
@@ -130,8 +136,7 @@ def test_victim_has_most_blocks_and_is_never_grammar_constrained():
     core = _crowded_core()
     long_grammar, mid, short = reqs = _admit_residents(core)
     long_grammar.sequences[0].grammar_state = object()
-    newcomer = _newcomer()
-    core.inbox.submit(newcomer)
+    newcomer = _submit_newcomer(core)
     _tick_until(core, lambda: core.swapped)
     assert [s.request_id for s in core.swapped] == [mid.request_id]
     long_grammar.sequences[0].grammar_state = None
@@ -194,8 +199,7 @@ def test_failing_spill_keeps_sequence_active_and_output_unchanged():
     store = FailingStore()
     core = _crowded_core(spill=store)
     reqs = _admit_residents(core)
-    newcomer = _newcomer()
-    core.inbox.submit(newcomer)
+    newcomer = _submit_newcomer(core)
     core.tick()
     assert store.attempts == 1  # one failure stops spilling for the tick
     assert len(core.active) == 3 and not core.swapped
@@ -211,8 +215,7 @@ def test_a_failed_spill_pauses_spilling_then_tries_again():
     store = FailingStore()
     core = _crowded_core(spill=store)
     reqs = _admit_residents(core)
-    newcomer = _newcomer()
-    core.inbox.submit(newcomer)
+    newcomer = _submit_newcomer(core)
     for _ in range(30):
         core.tick()
     assert store.attempts == 1 and not core.parking.can_spill()
@@ -226,8 +229,7 @@ def test_a_failed_spill_pauses_spilling_then_tries_again():
 def test_corrupt_spill_file_falls_back_to_exact_recompute(tmp_path):
     core = _crowded_core(spill_dir=str(tmp_path))
     reqs = _admit_residents(core)
-    newcomer = _newcomer()
-    core.inbox.submit(newcomer)
+    newcomer = _submit_newcomer(core)
     _tick_until(core, lambda: core.swapped)
     victim = core.swapped[0]
     for f in pathlib.Path(tmp_path).glob("*.bin"):
