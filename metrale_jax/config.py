@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from metrale_jax.spec.config import SpeculativeConfig
+
 # A layer pattern is a string with one character per residual block:
 #   A = attention mixer, M = Mamba2 mixer, F = feed-forward (MLP).
 # A Llama layer is "AF"; NemotronH writes its own hybrid pattern directly.
@@ -161,8 +163,12 @@ class EngineConfig:
     # no fast bf16 path for the attention mat-vecs) and the model's dtype elsewhere.
     kv_cache_dtype: str = "auto"
     seed: int = 0
+    # Speculative decoding with the model's MTP modules (None: off); see spec/config.py.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        # A dict or JSON text (vLLM's shape) becomes the validated object.
+        object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
         for name in ("block_size", "kv_memory_bytes", "max_seq_len", "max_batch_size",
                      "max_tokens_per_tick"):
             _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")

@@ -27,6 +27,7 @@ from metrale_jax.scheduler.policy import make_policy
 from metrale_jax.scheduler.snapshot import SchedulerSnapshot
 from metrale_jax.scheduler.state import OutputSink
 from metrale_jax.sequence import Sequence, decode_logprobs
+from metrale_jax.spec.gate import GateConfig, MtpGate
 from metrale_jax.telemetry import Clock, MonotonicClock
 
 PromptInput = str | dict
@@ -45,14 +46,18 @@ class LLMEngine:
     def __init__(self, model: str | None = None, *, engine_config: EngineConfig | None = None,
                  clock: Clock | None = None, sink: OutputSink | None = None,
                  check_every_tick: bool = False, spill_backend=None, dtype: str | None = None,
-                 **engine_overrides):
+                 speculative_config=None, **engine_overrides):
         loaded = load(model, dtype)
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         engine = engine_config or EngineConfig()
+        if speculative_config is not None:  # vLLM's name for it
+            engine_overrides["speculative"] = speculative_config
         if engine_overrides:
             engine = engine.replace(**engine_overrides)
+        if engine.speculative is not None:
+            engine.speculative.check_model(loaded.config.num_mtp_modules, loaded.name)
         if engine.max_seq_len > loaded.config.max_position_embeddings:
             logger.warning("max_seq_len %d exceeds what %s was built for; using %d",
                            engine.max_seq_len, loaded.name, loaded.config.max_position_embeddings)
@@ -64,9 +69,14 @@ class LLMEngine:
         self._own_spill_dir = None
         if spill_backend is None and engine.enable_swap:
             spill_backend = SpillStore(pathlib.Path(self._spill_dir()))
+        clock = clock or MonotonicClock()
+        gate = None
+        if engine.speculative is not None:
+            gate = MtpGate(GateConfig(policy=engine.speculative.gate),
+                           num_depths=engine.speculative.num_speculative_tokens, clock=clock)
         self.core = SchedulerCore(
             runner=self.runner, levers=self._levers(),
-            policy=make_policy(engine.policy), clock=clock or MonotonicClock(),
+            policy=make_policy(engine.policy), clock=clock, gate=gate,
             sink=sink or _NullSink(), max_seq_len=engine.max_seq_len,
             block_size=engine.block_size, spill=spill_backend,
             snapshot_slots=list(range(self.runner.num_seq_slots, self.runner.num_slots)),
@@ -89,11 +99,12 @@ class LLMEngine:
             admit_watermark=e.admit_watermark,
             prefill_chunk_size=min(e.prefill_chunk_size, widest),
             swap_enabled=e.enable_swap, pipeline_enabled=e.enable_pipeline,
-            prefix_cache_enabled=e.enable_prefix_cache)
+            prefix_cache_enabled=e.enable_prefix_cache,
+            mtp_policy=e.speculative.gate if e.speculative is not None else "off")
         limits = {"max_tokens_per_tick": e.max_tokens_per_tick,
                   "max_batch_size": e.max_batch_size,
                   "prefill_chunk_size": widest}
-        return Levers(values, limits)
+        return Levers(values, limits, speculative=e.speculative is not None)
 
     def _check_capacity(self) -> None:
         need = self.engine_config.max_blocks_per_seq

@@ -71,6 +71,10 @@ class Sequence:
     block_hashes: list = dataclasses.field(default_factory=list)  # committed prefix chain
     error: str | None = None
     uid: int = dataclasses.field(default_factory=lambda: next(_uids))
+    # MTP drafts for the tokens after `output_ids[:drafts_at]` (speculative steps make
+    # them); proposals only, used while the outputs still end where they were made.
+    drafts: list[int] = dataclasses.field(default_factory=list)
+    drafts_at: int = -1
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -118,6 +122,27 @@ class Sequence:
         if p.max_tokens is not None and self.num_sampled >= p.max_tokens:
             return False
         return self.virtual_len < self.max_len
+
+    def drafts_to_verify(self, depth: int, budget: int) -> list[int]:
+        """The drafts this sequence's next decode row carries (a speculative tick): none
+        where speculation could change what it samples or overshoot a limit. Penalties and
+        a pending min_tokens change the distribution token by token, so those rows decode
+        one token at a time; drafts never run past max_tokens or max_len."""
+        p = self.params
+        if (self.drafts_at != len(self.output_ids) or self.inflight
+                or self.num_computed != self.virtual_len - 1
+                or self.row_sampling_uses_penalties or self.num_sampled < p.min_tokens):
+            return []
+        room = min(depth, len(self.drafts), budget - 1, self.max_len - self.virtual_len - 1)
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - self.num_sampled - 1)
+        return self.drafts[:max(room, 0)]
+
+    @property
+    def row_sampling_uses_penalties(self) -> bool:
+        p = self.params
+        return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0)
 
     def prompt_targets(self, start: int, length: int) -> list[int]:
         """For prompt logprobs: the token after each position, -1 past the prompt."""

@@ -66,10 +66,20 @@ class ScheduledRow:
     seq_id: int = 0                   # the sequence's identity, unique for the engine's life:
                                       # the runner trusts what earlier steps left in a slot's
                                       # device tables only for the same sequence (0: never)
+    # Speculative steps only. The last `num_drafts` tokens are MTP drafts to verify (the
+    # token before them is the sequence's last one); `follow` holds the known tokens right
+    # after a chunk that does not reach the sequence's end (the MTP modules read them).
+    num_drafts: int = 0
+    follow: Sequence[int] = ()
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    @property
+    def verified_end(self) -> int:
+        """Where the sequence's known tokens end in this row: drafts are not known yet."""
+        return self.end - self.num_drafts
 
 
 @dataclasses.dataclass
@@ -85,6 +95,10 @@ class RowResult:
     prompt_ranks: np.ndarray | None = None         # [chunk]
     prompt_top_ids: np.ndarray | None = None       # [chunk, num_top]
     prompt_top_logprobs: np.ndarray | None = None  # [chunk, num_top]
+    # Speculative steps: the tokens emitted after `token` in the same step (the accepted
+    # drafts' run goes on), in order; so `len(following)` drafts were accepted.
+    following: list["RowResult"] = dataclasses.field(default_factory=list)
+    drafts: list[int] = dataclasses.field(default_factory=list)  # the next step's drafts
 
 
 @dataclasses.dataclass
@@ -93,6 +107,9 @@ class StepHandle:
 
     rows: list[ScheduledRow]
     out: Any                          # the runner's own (device) output; opaque here
+    speculative: bool = False         # verified drafts and drafted (spec_step)
+    dispatched_at: float = 0.0        # the scheduler's clock at dispatch
+    decoding: int = 0                 # decoding sequences in its tick (the MTP gate's batch)
 
 
 class Runner(Protocol):
@@ -104,8 +121,12 @@ class Runner(Protocol):
     @property
     def has_ssm(self) -> bool: ...
 
-    def dispatch(self, rows: Sequence[ScheduledRow]) -> StepHandle:
-        """Start a step; returns at once."""
+    @property
+    def spec_depth(self) -> int:
+        """k: drafts per sequence a speculative step verifies and makes (0: cannot)."""
+
+    def dispatch(self, rows: Sequence[ScheduledRow], speculative: bool = False) -> StepHandle:
+        """Start a step (the speculative one when asked); returns at once."""
 
     def collect(self, handle: StepHandle) -> list[RowResult]:
         """Wait for a dispatched step; one result per row."""

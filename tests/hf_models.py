@@ -22,6 +22,41 @@ def save_tiny_nemotronh(path: pathlib.Path, **overrides) -> NemotronHForCausalLM
     return _save(model, path)
 
 
+def add_nemotronh_mtp(path: pathlib.Path, num_modules: int = 2, seed: int = 0) -> None:
+    """Give a saved NemotronH `num_modules` MTP modules (attention + MLP each, vLLM's
+    nemotron_h_mtp tensor names, seeded random weights) and say so in its config: a hybrid
+    checkpoint that can draft, which transformers itself would load without the extras."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    hf = json.loads((path / "config.json").read_text())
+    d, q = hf["hidden_size"], hf["num_attention_heads"] * hf["head_dim"]
+    kv, inner = hf["num_key_value_heads"] * hf["head_dim"], hf["intermediate_size"]
+    shapes = {}
+    for k in range(num_modules):
+        a, f = f"mtp.layers.{2 * k}.", f"mtp.layers.{2 * k + 1}."
+        shapes.update({a + "enorm.weight": (d,), a + "hnorm.weight": (d,),
+                       a + "eh_proj.weight": (d, 2 * d), a + "norm.weight": (d,),
+                       a + "mixer.q_proj.weight": (q, d), a + "mixer.k_proj.weight": (kv, d),
+                       a + "mixer.v_proj.weight": (kv, d), a + "mixer.o_proj.weight": (d, q),
+                       f + "norm.weight": (d,), f + "mixer.up_proj.weight": (inner, d),
+                       f + "mixer.down_proj.weight": (d, inner),
+                       f + "final_layernorm.weight": (d,)})
+    rng = np.random.RandomState(seed)
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    for name, shape in shapes.items():
+        norm = name.endswith(("norm.weight", "layernorm.weight"))
+        tensors[name] = (1.0 + 0.1 * rng.randn(*shape) if norm
+                         else 0.1 * rng.randn(*shape)).astype(np.float32)
+    save_file(tensors, file, metadata={"format": "pt"})
+    hf.update(num_nextn_predict_layers=num_modules,
+              mtp_layers_block_type=["full_attention", "mlp"])
+    (path / "config.json").write_text(json.dumps(hf))
+
+
 def save_tiny_mamba2(path: pathlib.Path) -> Mamba2ForCausalLM:
     """A seeded random attention-free Mamba2 model, saved the same way."""
     torch.manual_seed(0)

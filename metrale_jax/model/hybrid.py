@@ -17,7 +17,7 @@ from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.caches import DeviceCaches
 from metrale_jax.model.layers import MLP, RMSNorm, dtype_of, linear
 from metrale_jax.model.mamba2 import Mamba2Mixer
-from pallas_kernels.backend import KernelOps, resolve
+from pallas_kernels.backend import XLA, KernelOps, resolve
 
 
 class Block(nnx.Module):
@@ -34,9 +34,12 @@ class Block(nnx.Module):
 
 def run_blocks(blocks: nnx.List, x: Float[Array, "T D"], batch: StepBatch,
                kv: list, conv: list, ssm: list, kv_offset: int = 0, ssm_offset: int = 0,
+               window: int = 0, keep: list | None = None,
                ) -> tuple[Float[Array, "T D"], int, int]:
     """Run blocks in order, threading each stateful block through its cache entry in place
-    (the lists are updated); returns the hidden state and the next free cache indices."""
+    (the lists are updated); returns the hidden state and the next free cache indices.
+    With `window` > 0 each Mamba2 block appends its per-position state candidates to `keep`
+    (see `Mamba2Mixer`)."""
     ai, mi = kv_offset, ssm_offset
     for block in blocks:
         h = block.norm(x)
@@ -44,7 +47,10 @@ def run_blocks(blocks: nnx.List, x: Float[Array, "T D"], batch: StepBatch,
             h, kv[ai] = block.mixer(h, batch, kv[ai])
             ai += 1
         elif block.kind == "M":
-            h, (conv[mi], ssm[mi]) = block.mixer(h, batch, (conv[mi], ssm[mi]))
+            h, (conv[mi], ssm[mi]), candidates = block.mixer(h, batch, (conv[mi], ssm[mi]),
+                                                             window)
+            if keep is not None:
+                keep.append(candidates)
             mi += 1
         else:
             h = block.mixer(h)
@@ -75,11 +81,13 @@ class HybridLM(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs)
         self.mtp = nnx.List([MTPModule(cfg, rngs) for _ in range(cfg.num_mtp_modules)])
+        self.ops = XLA  # static: the kernel set of the model-level ops (MTP acceptance)
 
     def use_kernels(self, kernel_backend: str) -> KernelOps:
         """Route every attention and Mamba2 mixer (MTP ones too) through `kernel_backend`
         ("auto" | "pallas" | "xla", see pallas_kernels/backend.py); split the model after."""
         ops = resolve(kernel_backend)
+        self.ops = ops
         for block in [*self.blocks, *(b for m in self.mtp for b in m.blocks)]:
             if block.kind in ("A", "M"):
                 block.mixer.ops = ops
@@ -88,10 +96,18 @@ class HybridLM(nnx.Module):
     def __call__(self, batch: StepBatch, caches: DeviceCaches,
                  ) -> tuple[Float[Array, "T D"], DeviceCaches]:
         """The backbone over one ragged batch: final-normed hidden states and new caches."""
+        hidden, caches, _ = self.forward_keeping_states(batch, caches, window=0)
+        return hidden, caches
+
+    def forward_keeping_states(self, batch: StepBatch, caches: DeviceCaches, window: int,
+                               ) -> tuple[Float[Array, "T D"], DeviceCaches, list]:
+        """The backbone, also returning each Mamba2 layer's state after each of the first
+        `window` positions of every row (MTP verification rolls back to one of them)."""
         kv, conv, ssm = list(caches.kv), list(caches.conv), list(caches.ssm)
+        keep: list = []
         x = self.embed(batch.token_ids)
-        x, _, _ = run_blocks(self.blocks, x, batch, kv, conv, ssm)
-        return self.final_norm(x), DeviceCaches(tuple(kv), tuple(conv), tuple(ssm))
+        x, _, _ = run_blocks(self.blocks, x, batch, kv, conv, ssm, window=window, keep=keep)
+        return self.final_norm(x), DeviceCaches(tuple(kv), tuple(conv), tuple(ssm)), keep
 
     def logits(self, hidden: Float[Array, "N D"]) -> Float[Array, "N V"]:
         if self.cfg.tie_word_embeddings:

@@ -21,6 +21,9 @@ from pallas_kernels.backend import XLA, KernelOps
 from pallas_kernels.scatter import set_rows
 
 SSMState = tuple[Float[Array, "slots K1 conv_dim"], Float[Array, "slots H P N"]]
+# Per row, the state after each of the first W positions of its chunk (MTP verification):
+# conv tails [S, W, K-1, conv_dim] and SSM states [S, W, H, P, N] float32.
+StateCandidates = tuple[Float[Array, "S W K1 conv_dim"], Float[Array, "S W H P N"]]
 
 
 def causal_conv(
@@ -38,9 +41,16 @@ def causal_conv(
     if bias is not None:
         out = out + bias
     # The new tail is the K-1 inputs ending at the row's last valid position.
-    tail_index = query_lens[:, None] + jnp.arange(k - 1)[None, :]
-    tail = jnp.take_along_axis(full, tail_index[:, :, None], axis=1)
+    tail = conv_tails(full, query_lens, k)
     return out, tail
+
+
+def conv_tails(full: Float[Array, "S L C"], valid: Int[Array, "S"], k: int,
+               ) -> Float[Array, "S K1 C"]:
+    """The K-1 conv inputs ending at each row's `valid`-th position of the chunk (`full` is
+    the previous tail followed by the chunk)."""
+    index = valid[:, None] + jnp.arange(k - 1)[None, :]
+    return jnp.take_along_axis(full, index[:, :, None], axis=1)
 
 
 class Mamba2Mixer(nnx.Module):
@@ -65,7 +75,14 @@ class Mamba2Mixer(nnx.Module):
                                bias=cfg.mamba_proj_bias)
 
     def __call__(self, x: Float[Array, "T D"], batch: StepBatch, state: SSMState,
-                 ) -> tuple[Float[Array, "T D"], SSMState]:
+                 window: int = 0,
+                 ) -> tuple[Float[Array, "T D"], SSMState, StateCandidates | None]:
+        """Returns the output, the new state pools and, when `window` (static) > 0, each
+        row's state after each of its chunk's first `window` positions: MTP verification
+        keeps them so a row whose drafts are rejected rolls back without recompute. Rows
+        whose chunk fits the window then take their outputs from the token-by-token
+        recurrence, the decode step's own arithmetic, so a verified token sees what a
+        plain decode of it would."""
         cfg = self.cfg
         inner, h, p = cfg.mamba_inner, cfg.mamba_num_heads, cfg.mamba_head_dim
         g, n = cfg.mamba_groups, cfg.ssm_state_size
@@ -78,7 +95,8 @@ class Mamba2Mixer(nnx.Module):
         query_lens = jnp.sum(batch.gather_valid, axis=1).astype(jnp.int32)
 
         conv_bias = self.conv_bias[...] if cfg.mamba_conv_bias else None
-        xbc_conv, conv_tail = causal_conv(batch.to_padded(xbc), prev_conv,
+        padded_xbc = batch.to_padded(xbc)
+        xbc_conv, conv_tail = causal_conv(padded_xbc, prev_conv,
                                           self.conv_weight[...], conv_bias, query_lens)
         xbc_conv = jax.nn.silu(xbc_conv)
         xs, b, c = jnp.split(xbc_conv, [inner, inner + g * n], axis=-1)
@@ -92,17 +110,34 @@ class Mamba2Mixer(nnx.Module):
         dt = jnp.where(batch.gather_valid[..., None], dt, 0.0)  # padding leaves the state alone
         a = -jnp.exp(self.a_log[...].astype(jnp.float32))
 
-        if q == 1:
+        candidates = None
+        if window and q <= window:
+            y, states = self.ops.ssd_scan_states(xs, dt, a, b, c, prev_ssm)
+            new_ssm = jnp.take_along_axis(
+                states, jnp.maximum(query_lens - 1, 0)[:, None, None, None, None], axis=1)[:, 0]
+        elif q == 1:
             y, new_ssm = self.ops.ssm_decode_step(xs[:, 0], dt[:, 0], a, b[:, 0], c[:, 0],
                                                   prev_ssm)
             y = y[:, None]
         else:
             y, new_ssm = self.ops.ssd_chunk_scan(xs, dt, a, b, c, prev_ssm,
                                                  chunk_size=cfg.mamba_chunk_size)
+            if window:
+                w = window
+                y_rec, states = self.ops.ssd_scan_states(xs[:, :w], dt[:, :w], a, b[:, :w],
+                                                         c[:, :w], prev_ssm)
+                short = (query_lens <= w)[:, None, None, None]
+                y = jnp.where(short, jnp.pad(y_rec, ((0, 0), (0, q - w), (0, 0), (0, 0))), y)
+        if window:
+            w = min(window, q)
+            full = jnp.concatenate([prev_conv.astype(padded_xbc.dtype), padded_xbc], axis=1)
+            tails = jnp.stack([conv_tails(full, jnp.full((s,), j + 1, jnp.int32),
+                                          cfg.conv_kernel) for j in range(w)], axis=1)
+            candidates = (tails, states)
         y = y + xs.astype(jnp.float32) * self.d_skip[...][:, None]
         y = batch.to_flat(y.reshape(s, q, inner).astype(x.dtype))
         out = self.out_proj(self.norm(y, z))
 
         conv_pool = set_rows(conv_pool, slots, conv_tail)
         ssm_pool = set_rows(ssm_pool, slots, new_ssm)
-        return out, (conv_pool, ssm_pool)
+        return out, (conv_pool, ssm_pool), candidates

@@ -48,6 +48,9 @@ class BucketLadders:
     query: tuple[int, ...]
     blocks: tuple[int, ...]
     prefill_rows: tuple[int, ...] = ()  # rows of a step with prefill chunks (empty: rows)
+    # k+1 with speculative decoding on (0: off): a speculative step whose rows are all
+    # decodes with their drafts is laid out exactly, rows x (k+1) tokens, like a decode step.
+    spec_query: int = 0
 
     def __post_init__(self):
         if not self.prefill_rows:
@@ -57,7 +60,9 @@ class BucketLadders:
     def from_config(cls, cfg: EngineConfig) -> "BucketLadders":
         budget = cfg.max_tokens_per_tick
         rows = cfg.seq_buckets or _powers_of_two(cfg.max_batch_size)
+        spec = cfg.speculative
         return cls(
+            spec_query=spec.num_speculative_tokens + 1 if spec is not None else 0,
             tokens=cfg.token_buckets or _powers_of_two(budget, start=8 if budget >= 8 else 1),
             rows=rows, prefill_rows=cfg.prefill_seq_buckets or rows,
             query=cfg.query_buckets or _powers_of_two(min(budget, cfg.max_seq_len), start=1),
@@ -66,7 +71,12 @@ class BucketLadders:
         )
 
     def shape_for(self, num_tokens: int, num_rows: int, widest_chunk: int, most_blocks: int,
-                  ) -> StepShape:
+                  speculative: bool = False) -> StepShape:
+        if speculative and widest_chunk <= self.spec_query and \
+                num_tokens <= num_rows * self.spec_query:
+            rows = _fit(self.rows, num_rows, "rows")
+            return StepShape(rows * self.spec_query, rows, self.spec_query,
+                             _fit(self.blocks, max(most_blocks, 1), "blocks"))
         q = _fit(self.query, widest_chunk, "query length")
         rows = _fit(self.rows if q == 1 else self.prefill_rows, num_rows, "rows")
         # A pure decode step has one token per row; otherwise pad the flat tokens separately.
@@ -78,6 +88,11 @@ class BucketLadders:
 
     def decode_shapes(self) -> list[StepShape]:
         return [StepShape(r, r, 1, b) for r in self.rows for b in self.blocks]
+
+    def spec_decode_shapes(self) -> list[StepShape]:
+        """Speculative steps of decodes with drafts only (none with speculation off)."""
+        q = self.spec_query
+        return [StepShape(r * q, r, q, b) for r in self.rows for b in self.blocks] if q else []
 
 
 class CompileCounter:

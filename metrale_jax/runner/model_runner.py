@@ -27,6 +27,7 @@ from metrale_jax.runner.penalties import history_width
 from metrale_jax.runner.sampler import make_sampling_arrays
 from metrale_jax.runner.slot_tables import (SlotBook, SlotWrite, allocate_slot_tables,
                                             write_bias, write_history)
+from metrale_jax.runner.spec_rows import add_prompt_scores, spec_inputs, unpack_speculative
 from metrale_jax.runner.step import StepOptions, StepRunner
 from metrale_jax.runner.swap import block_bucket, gather_sequence, scatter_sequence, warm_buckets
 from metrale_jax.types import RowResult, ScheduledRow, StepHandle
@@ -50,7 +51,13 @@ class ModelRunner:
         self.ladders = BucketLadders.from_config(engine)
         model.use_kernels(engine.kernel_backend)  # before the split: the choice is static
         self.step = StepRunner(model, counter)
-        self.num_blocks = num_kv_blocks(model.cfg, engine)
+        # Speculative decoding drafts with the MTP modules, whose attention layers then get
+        # KV pages too (same blocks, more layers); off, they get none.
+        spec = engine.speculative
+        if spec is not None:
+            spec.check_model(model.cfg.num_mtp_modules, "the model")
+        self.spec_depth = spec.num_speculative_tokens if spec is not None else 0
+        self.num_blocks = num_kv_blocks(model.cfg, engine, with_mtp=self.spec_depth > 0)
         # Slot 0 is the null slot, then one per running sequence (its SSM state and its
         # future-token cell), then the SSM snapshot slots.
         self.num_seq_slots = engine.max_batch_size + 1
@@ -67,7 +74,8 @@ class ModelRunner:
         cfg, engine, device = self.model_config, self.engine, jax.devices()[0]
         self.caches = jax.device_put(allocate_caches(
             cfg, self.num_blocks, engine.block_size,
-            self.num_slots if self.has_ssm else 1, kv_cache_dtype(cfg, engine)), device)
+            self.num_slots if self.has_ssm else 1, kv_cache_dtype(cfg, engine),
+            with_mtp=self.spec_depth > 0), device)
         self.tables = jax.device_put(allocate_slot_tables(
             self.num_slots, self.num_seq_slots, self._width, engine.max_logit_bias), device)
         # What the host believes each slot's history and bias hold: nothing, now.
@@ -95,19 +103,27 @@ class ModelRunner:
     def counter(self) -> CompileCounter:
         return self.step.counter
 
-    def shape_for(self, rows: Sequence[ScheduledRow]) -> StepShape:
+    def shape_for(self, rows: Sequence[ScheduledRow], speculative: bool = False) -> StepShape:
         bs = self.engine.block_size
         return self.ladders.shape_for(
             num_tokens=sum(len(r.tokens) for r in rows), num_rows=len(rows),
             widest_chunk=max(len(r.tokens) for r in rows),
-            most_blocks=max(-(-r.end // bs) for r in rows))
+            most_blocks=max(-(-r.end // bs) for r in rows), speculative=speculative)
 
-    def run(self, rows: Sequence[ScheduledRow]) -> list[RowResult]:
-        return self.collect(self.dispatch(rows))
+    def run(self, rows: Sequence[ScheduledRow], speculative: bool = False) -> list[RowResult]:
+        return self.collect(self.dispatch(rows, speculative))
 
-    def dispatch(self, rows: Sequence[ScheduledRow]) -> "StepHandle":
-        """Start the step on the device and return at once (JAX dispatches asynchronously)."""
-        shape = self.shape_for(rows)
+    def _options(self, speculative: bool) -> StepOptions:
+        return StepOptions(num_top=self.engine.max_logprobs,
+                           spec_depth=self.spec_depth if speculative else 0)
+
+    def dispatch(self, rows: Sequence[ScheduledRow], speculative: bool = False,
+                 ) -> "StepHandle":
+        """Start the step on the device and return at once (JAX dispatches asynchronously).
+        `speculative`: the step that verifies the rows' drafts and drafts again."""
+        if speculative and not self.spec_depth:
+            raise ValueError("a speculative step needs speculative decoding configured")
+        shape = self.shape_for(rows, speculative)
         batch = build_step_batch(rows, shape, self.engine.block_size)
         for write in self.book.plan(rows):
             self._write_slot(write)
@@ -123,21 +139,25 @@ class ModelRunner:
                     flat[cursor:cursor + len(r.targets)] = r.targets
                 cursor += len(r.tokens)
             targets = flat
-        options = StepOptions(num_top=self.engine.max_logprobs)
+        spec = spec_inputs(rows, shape.rows, self.spec_depth) if speculative else None
         out, self.caches, self.tables = self.step(batch, sampling, targets, self.caches,
-                                                  self.tables, options)
+                                                  self.tables, self._options(speculative),
+                                                  spec)
         for leaf in jax.tree.leaves(self._wanted(rows, out)):
             leaf.copy_to_host_async()  # start the read-back while the host plans ahead
-        return StepHandle(list(rows), out)
+        return StepHandle(list(rows), out, speculative)
 
     @staticmethod
     def _wanted(rows: Sequence[ScheduledRow], out) -> tuple:
         """What the host reads back: prompt scores only when some row asked for them."""
-        return out.sampled, out.ranks, out.prompt if any(len(r.targets) for r in rows) else None
+        return (out.sampled, out.ranks,
+                out.prompt if any(len(r.targets) for r in rows) else None, out.spec)
 
     def collect(self, handle: "StepHandle") -> list[RowResult]:
         """Wait for a dispatched step and unpack its results per row."""
-        sampled, ranks, prompt = jax.device_get(self._wanted(handle.rows, handle.out))
+        sampled, ranks, prompt, spec = jax.device_get(self._wanted(handle.rows, handle.out))
+        if spec is not None:
+            return unpack_speculative(handle.rows, sampled, ranks, prompt, spec)
         return self._unpack(handle.rows, sampled, ranks, prompt)
 
     def _write_slot(self, write: SlotWrite) -> None:
@@ -174,20 +194,10 @@ class ModelRunner:
 
     @staticmethod
     def _unpack(rows: Sequence[ScheduledRow], s, ranks, prompt) -> list[RowResult]:
-        results, cursor = [], 0
-        for i, r in enumerate(rows):
-            n = len(r.tokens)
-            res = RowResult(token=int(s.tokens[i]), logprob=float(s.logprobs[i]),
-                            rank=int(ranks[i]),
-                            top_ids=s.top_ids[i], top_logprobs=s.top_logprobs[i])
-            if prompt is not None and len(r.targets):
-                span = slice(cursor, cursor + n)
-                res.prompt_logprobs = prompt.target_logprobs[span]
-                res.prompt_ranks = prompt.target_ranks[span]
-                res.prompt_top_ids = prompt.top_ids[span]
-                res.prompt_top_logprobs = prompt.top_logprobs[span]
-            results.append(res)
-            cursor += n
+        results = [RowResult(token=int(s.tokens[i]), logprob=float(s.logprobs[i]),
+                             rank=int(ranks[i]), top_ids=s.top_ids[i],
+                             top_logprobs=s.top_logprobs[i]) for i in range(len(rows))]
+        add_prompt_scores(rows, results, prompt)
         return results
 
     def warmup(self, shapes: Sequence[StepShape] | None = None, *, progress: bool = True,
@@ -195,18 +205,20 @@ class ModelRunner:
         """Compile the step for `shapes` (default: every bucket combination) with a batch of
         padding only, then every other program serving can run, showing progress; returns
         how many step shapes were compiled."""
-        shapes = list(shapes) if shapes is not None else self.warmup_shapes()
-        with WarmupProgress(len(shapes) + 1, enabled=progress) as bar:
-            for shape in shapes:
+        variants = ([(shape, False) for shape in shapes] if shapes is not None
+                    else self.warmup_variants())
+        with WarmupProgress(len(variants) + 1, enabled=progress) as bar:
+            for shape, speculative in variants:
                 empty = build_step_batch([], shape, self.engine.block_size)
+                spec = spec_inputs([], shape.rows, self.spec_depth) if speculative else None
                 out, self.caches, self.tables = self.step(
                     empty, make_sampling_arrays([], shape.rows), None, self.caches,
-                    self.tables, StepOptions(num_top=self.engine.max_logprobs))
+                    self.tables, self._options(speculative), spec)
                 jax.block_until_ready(out.sampled.tokens)
                 bar.advance()
             self._warm_side_programs()
             bar.advance()
-        return len(shapes)
+        return len(variants)
 
     def _warm_side_programs(self) -> None:
         """The programs beside the step, run on padding so they change nothing: the slot
@@ -224,8 +236,22 @@ class ModelRunner:
         jax.block_until_ready((self.caches, self.tables))
 
     def warmup_shapes(self) -> list[StepShape]:
+        """The plain step's shapes."""
         lad = self.ladders
-        shapes = list(lad.decode_shapes())
+        return lad.decode_shapes() + self._prefill_shapes()
+
+    def warmup_variants(self) -> list[tuple[StepShape, bool]]:
+        """Every (shape, speculative) the engine can run: the plain step's shapes, and with
+        speculation on, the speculative step for its own decode shapes and for every shape
+        a batch with prefill chunks can take (such a batch may carry drafts too)."""
+        plain = [(shape, False) for shape in self.warmup_shapes()]
+        if not self.spec_depth:
+            return plain
+        spec = self.ladders.spec_decode_shapes() + self._prefill_shapes()
+        return plain + [(shape, True) for shape in spec]
+
+    def _prefill_shapes(self) -> list[StepShape]:
+        lad, shapes = self.ladders, []
         for q in lad.query:
             if q == 1:
                 continue

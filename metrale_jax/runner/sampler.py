@@ -434,6 +434,45 @@ def sample(
     )
 
 
+def target_logits(logits: Float[Array, "R V"], params: SamplingArrays,
+                  tables: SamplingTables, *, vocab_size: int | None = None,
+                  ) -> Float[Array, "R V"]:
+    """The logits each row's token is drawn from: bias and penalties applied, and for
+    sampled rows divided by the temperature and filtered (-inf outside the kept set). A
+    greedy row's argmax is `sample`'s greedy token and a sampled row's softmax is the
+    distribution `sample` draws from: what speculative acceptance verifies drafts against."""
+    processed = bias_and_penalties(_mask_vocab(logits, vocab_size), params, tables)
+    is_greedy = params.temperature <= 0.0
+    scaled = processed / jnp.where(is_greedy, 1.0, params.temperature)[:, None]
+    filters = ~is_greedy & ((params.top_k > 0) | (params.top_p < 1.0) | (params.min_p > 0.0))
+
+    def filtered(x):
+        threshold, _, _, _ = _filter_thresholds(
+            x, jnp.where(filters, params.top_k, 0), jnp.where(filters, params.top_p, 1.0),
+            jnp.where(filters, params.min_p, 0.0), FILTER_CANDIDATES)
+        return jnp.where(x >= threshold[:, None], x, _NEG_INF)
+
+    return jax.lax.cond(jnp.any(filters), filtered, lambda x: x, scaled)
+
+
+def raw_logprobs(logits: Float[Array, "R V"], chosen: Int[Array, "R"], *, num_top: int,
+                 vocab_size: int | None = None) -> SampleResult:
+    """What a row reports for a token chosen elsewhere (speculative acceptance): its raw
+    logprob and the raw top-n."""
+    logp = jax.nn.log_softmax(_mask_vocab(logits, vocab_size), axis=-1)
+    safe = jnp.clip(chosen, 0, logp.shape[1] - 1)
+    top_vals, top_ids = _top_logprobs(logp, num_top)
+    return SampleResult(tokens=chosen, logprobs=jnp.take_along_axis(logp, safe[:, None],
+                                                                    axis=-1)[:, 0],
+                        top_ids=top_ids, top_logprobs=top_vals)
+
+
+def token_ranks(logits: Float[Array, "N V"], chosen: Int[Array, "N"]) -> Int[Array, "N"]:
+    """vLLM's rank: 1 + the number of tokens strictly more likely than the chosen one."""
+    picked = jnp.take_along_axis(logits, jnp.clip(chosen, 0)[:, None], axis=-1)
+    return 1 + jnp.sum(logits > picked, axis=-1).astype(jnp.int32)
+
+
 def bias_and_penalties(logits: Float[Array, "S V"], params: SamplingArrays,
                         tables: SamplingTables) -> Float[Array, "S V"]:
     """Logit bias, then penalties on the biased logits (as before: bias first)."""

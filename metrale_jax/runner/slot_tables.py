@@ -143,8 +143,8 @@ class SlotBook:
             ids[:known] = np.fromiter(itertools.chain(r.sampling.prompt_ids,
                                                       r.sampling.output_ids), np.int32, known)
             write, slot.valid = SlotWrite(r.ssm_slot, history=ids), known
-        if slot.valid >= r.start:
-            slot.valid = max(slot.valid, r.end)
+        if slot.valid >= r.start:  # drafts are not the sequence's tokens until verified
+            slot.valid = max(slot.valid, r.verified_end)
         return write
 
     def _bias_write(self, r: ScheduledRow) -> tuple[np.ndarray, np.ndarray] | None:

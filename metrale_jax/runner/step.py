@@ -22,8 +22,10 @@ from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.caches import DeviceCaches
 from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.runner.buckets import CompileCounter, StepShape
-from metrale_jax.runner.sampler import SampleResult, SamplingArrays, logprobs_of, sample
+from metrale_jax.runner.sampler import (SampleResult, SamplingArrays, logprobs_of, sample,
+                                        token_ranks)
 from metrale_jax.runner.slot_tables import SlotTables, record_tokens
+from metrale_jax.runner.spec_step import SpecInputs, SpecResult, verify_and_draft
 from metrale_jax.runner.transfer import Layout, pack, unpack
 
 
@@ -33,8 +35,11 @@ class StepOptions:
     one (the engine's num_top); every per-request feature is traced, not a switch."""
 
     num_top: int = 20              # top-n logprobs computed for every row
-    # Return each row's last hidden state (MTP drafting reads it); off, nothing is copied back.
+    # Return each row's last hidden state; off, nothing is copied back.
     return_hidden: bool = False
+    # k > 0: the speculative step (runner/spec_step.py): verify up to k drafts per row and
+    # draft k more with the MTP modules. 0: the plain step, with no MTP work at all.
+    spec_depth: int = 0
 
 
 @jax.tree_util.register_dataclass
@@ -49,10 +54,13 @@ class PromptScores:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    sampled: SampleResult                # one token per row, with raw logprobs and top-n
+    # One token per row, with raw logprobs and top-n; a speculative step emits up to k+1
+    # per row, flat [S * (k+1)] (row s, position j at s * (k+1) + j; -1 past the run).
+    sampled: SampleResult
     ranks: Int[Array, "S"]               # rank of each sampled token in the raw distribution
     hidden: Float[Array, "S D"] | None   # final-normed state of each row's last token, or None
     prompt: PromptScores                 # zeros unless some target is >= 0 (a traced cond)
+    spec: SpecResult | None = None       # accepted counts and next drafts (speculative step)
 
 
 class StepRunner:
@@ -73,17 +81,21 @@ class StepRunner:
 
     def __call__(self, batch: StepBatch, sampling: SamplingArrays, targets: jax.Array | None,
                  caches: DeviceCaches, tables: SlotTables, options: StepOptions,
+                 spec: SpecInputs | None = None,
                  ) -> tuple[StepOutput, DeviceCaches, SlotTables]:
         """Run one step. `tables.future` holds each slot's latest sampled token on the
         device: a negative token id -f in the batch is read from `future[f]`, and every
         row's sampled token is written to `future[its slot]` (the async pipeline's
-        hand-off). Every token of the batch is recorded in its slot's history."""
+        hand-off). Every token of the batch is recorded in its slot's history. With
+        `options.spec_depth` > 0, `spec` says where each row's drafts are."""
         shape = StepShape(batch.num_tokens, batch.num_rows, batch.query_len,
                           batch.block_tables.shape[1])
         self.counter.record(("step", shape, options))
         if targets is None:  # nothing to score; the same shape keeps the same variant
             targets = np.full((batch.num_tokens,), -1, np.int32)
-        buffers, layout = pack((batch, sampling, targets))
+        if (spec is not None) != (options.spec_depth > 0):
+            raise ValueError("spec inputs go with a speculative step (spec_depth > 0) only")
+        buffers, layout = pack((batch, sampling, targets, spec))
         return self._jitted(self._leaves, jax.device_put(buffers), caches, tables,
                             layout=layout, options=options)
 
@@ -91,7 +103,7 @@ class StepRunner:
 def _step(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: DeviceCaches,
           tables: SlotTables, *, layout: Layout, options: StepOptions,
           ) -> tuple[StepOutput, DeviceCaches, SlotTables]:
-    batch, sampling, targets = unpack(buffers, layout)
+    batch, sampling, targets, spec = unpack(buffers, layout)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     # Tokens still on the device from the previous step arrive as -slot placeholders.
     ids = batch.token_ids
@@ -100,18 +112,28 @@ def _step(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: Devi
     # Recorded before sampling: a row's penalties see its tokens up to this step's end.
     slot_sampling = dataclasses.replace(
         tables.sampling, history=record_tokens(tables.sampling.history, batch))
-    hidden, caches = model(batch, caches)
-    last = hidden[batch.sample_index]
-    logits = model.logits(last)
-    sampled = sample(logits, sampling, slot_sampling, num_top=options.num_top,
-                     apply_filters=True, vocab_size=model.cfg.vocab_size)
+    result = None
+    if options.spec_depth:
+        hidden, sampled, ranks, result, caches = verify_and_draft(
+            model, batch, sampling, slot_sampling, spec, caches, depth=options.spec_depth,
+            num_top=options.num_top)
+        # The future cell gets each row's last emitted token.
+        newest = jnp.take_along_axis(sampled.tokens.reshape(batch.num_rows, -1),
+                                     result.accepted[:, None], axis=1)[:, 0]
+    else:
+        hidden, caches = model(batch, caches)
+        logits = model.logits(hidden[batch.sample_index])
+        sampled = sample(logits, sampling, slot_sampling, num_top=options.num_top,
+                         apply_filters=True, vocab_size=model.cfg.vocab_size)
+        ranks, newest = token_ranks(logits, sampled.tokens), sampled.tokens
     prompt = jax.lax.cond(jnp.any(targets >= 0),
                           lambda: _score_prompt(model, hidden, targets, options.num_top),
                           lambda: _no_scores(hidden.shape[0], options.num_top))
-    tables = SlotTables(future=tables.future.at[batch.ssm_slots].set(sampled.tokens),
+    tables = SlotTables(future=tables.future.at[batch.ssm_slots].set(newest),
                         sampling=slot_sampling)
-    return StepOutput(sampled=sampled, ranks=_ranks(logits, sampled.tokens),
-                      hidden=last if options.return_hidden else None, prompt=prompt), caches, tables
+    last = hidden[batch.sample_index] if options.return_hidden else None
+    return StepOutput(sampled=sampled, ranks=ranks, hidden=last, prompt=prompt,
+                      spec=result), caches, tables
 
 
 def _score_prompt(model: HybridLM, hidden: Float[Array, "T D"], targets: Int[Array, "T"],
@@ -121,15 +143,9 @@ def _score_prompt(model: HybridLM, hidden: Float[Array, "T D"], targets: Int[Arr
     all_logits = model.logits(hidden)
     lp, ids, top = logprobs_of(all_logits, targets, num_top=num_top,
                                vocab_size=model.cfg.vocab_size)
-    return PromptScores(lp, _ranks(all_logits, targets), ids, top)
+    return PromptScores(lp, token_ranks(all_logits, targets), ids, top)
 
 
 def _no_scores(t: int, num_top: int) -> PromptScores:
     return PromptScores(jnp.zeros((t,), jnp.float32), jnp.zeros((t,), jnp.int32),
                         jnp.zeros((t, num_top), jnp.int32), jnp.zeros((t, num_top), jnp.float32))
-
-
-def _ranks(logits: Float[Array, "N V"], chosen: Int[Array, "N"]) -> Int[Array, "N"]:
-    """vLLM's rank: 1 + the number of tokens strictly more likely than the chosen one."""
-    picked = jnp.take_along_axis(logits, jnp.clip(chosen, 0)[:, None], axis=-1)
-    return 1 + jnp.sum(logits > picked, axis=-1).astype(jnp.int32)

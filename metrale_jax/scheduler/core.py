@@ -20,7 +20,7 @@ import logging
 from metrale_jax.cache.spill import SpillBackend
 from metrale_jax.request import Request
 from metrale_jax.scheduler import phases
-from metrale_jax.scheduler.commit import commit_step
+from metrale_jax.scheduler.commit import Committed, commit_step
 from metrale_jax.scheduler.faults import EngineFailed, StepFailures
 from metrale_jax.scheduler.inbox import Inbox, Received
 from metrale_jax.scheduler.lanes import PackedRow, mark_dispatched, pack_lanes
@@ -31,6 +31,7 @@ from metrale_jax.scheduler.policy import AdmissionPolicy
 from metrale_jax.scheduler.settle import must_settle
 from metrale_jax.scheduler.state import OutputSink, Pending, TickPlan
 from metrale_jax.sequence import Sequence, Status
+from metrale_jax.spec.gate import MtpGate
 from metrale_jax.telemetry import Clock, Phase, Telemetry
 from metrale_jax.types import Runner, StepHandle
 
@@ -41,8 +42,11 @@ class SchedulerCore:
     def __init__(self, *, runner: Runner, levers: Levers, policy: AdmissionPolicy,
                  clock: Clock, sink: OutputSink, max_seq_len: int, block_size: int,
                  spill: SpillBackend | None = None, snapshot_slots: list[int] | None = None,
-                 check_every_tick: bool = False):
+                 check_every_tick: bool = False, gate: MtpGate | None = None):
         self.runner, self.levers, self.policy = runner, levers, policy
+        # Speculative decoding: the gate picks the plain or the speculative step per tick.
+        self.gate = gate
+        self.spec_depth = runner.spec_depth if gate is not None else 0
         self.clock, self.sink = clock, sink
         self.max_seq_len, self.block_size = max_seq_len, block_size
         self.check_every_tick = check_every_tick
@@ -66,6 +70,9 @@ class SchedulerCore:
         self._halt_done = False
         self.levers_now: LeverValues = levers.get()
         self._order = itertools.count()
+        self._speculating = False              # this tick runs the speculative step
+        self._decoding = 0                     # decoding sequences this tick (the gate's batch)
+        self._last_read_at = 0.0               # when the last step was read back
 
     # ---- the loop and the tick ------------------------------------------------------------
 
@@ -124,6 +131,11 @@ class SchedulerCore:
         return TickPlan(admitted=new)
 
     def run_lanes(self, plan: TickPlan) -> None:
+        self._speculating = self._choose_speculation()
+        # A speculative step is never overlapped: its rows' lengths depend on how many
+        # drafts the step before accepted, so the host reads that back first.
+        ahead_speculative = self.inflight is not None and self.inflight[0].speculative
+        self._settle_if(speculative=self._speculating or ahead_speculative)
         if self.levers_now.pipeline_enabled:
             self._overlap_lanes(plan)
         else:
@@ -194,13 +206,23 @@ class SchedulerCore:
             seq.status = Status.PREFILLING
             self.prefilling.append(seq)
 
+    def _choose_speculation(self) -> bool:
+        """Phase 8's mode (the seed's gate): speculate this tick? Only with decodes."""
+        if self.gate is None:
+            return False
+        if self.gate.config.policy != self.levers_now.mtp_policy:
+            self.gate.set_policy(self.levers_now.mtp_policy)
+        self._decoding = sum(s.status is Status.RUNNING for s in self.active)
+        return self._decoding > 0 and self.gate.choose(self._decoding)
+
     def _pack(self) -> list[PackedRow]:
         """Pack one batch; when a decode finds no block, settle, make room and pack again."""
         t = self.clock.now()
         no_room: set[int] = set()
+        depth = self.spec_depth if self._speculating else 0
         while True:
             packing = pack_lanes(self.active, self.prefilling, self.memory, self.levers_now,
-                                 no_room)
+                                 no_room, depth)
             if packing.needs_room is None:
                 break
             self._settle_if(needs_room=True)
@@ -217,10 +239,14 @@ class SchedulerCore:
         """Start the step; None when it failed (its requests were failed)."""
         t = self.clock.now()
         try:
-            handle = self.runner.dispatch([p.row for p in packed])
+            if self._speculating:
+                handle = self.runner.dispatch([p.row for p in packed], speculative=True)
+            else:
+                handle = self.runner.dispatch([p.row for p in packed])
         except Exception as exc:  # noqa: BLE001 - contained: fails this step's requests
             self._step_failed(exc, packed, "dispatch")
             return None
+        handle.dispatched_at, handle.decoding = t, self._decoding
         for seq in mark_dispatched(packed, self.memory):
             self.prefilling.remove(seq)
             self.active.append(seq)
@@ -248,12 +274,33 @@ class SchedulerCore:
             self._step_failed(exc, packed, "collect")
             return
         self.failures.succeeded()
-        for seq in commit_step(results, packed, self.memory):
+        committed = commit_step(results, packed, self.memory,
+                                self.spec_depth if handle.speculative else 0)
+        self._measure(handle, committed)
+        for seq in committed.touched:
             if seq.finished:
                 self.finish(seq)
             else:
                 self.emit(seq)
         self.tel.mark(Phase.PROCESS, t)
+
+    def _measure(self, handle: StepHandle, committed: Committed) -> None:
+        """Feed the gate delivered tokens/s (the wall clock since this step was dispatched
+        or the last read-back, whichever came later: idle time is not the step's), and
+        count drafts for /metrics."""
+        now = self.clock.now()
+        since = max(self._last_read_at, handle.dispatched_at)
+        self._last_read_at = now
+        if handle.speculative:
+            self.tel.count("spec_decode_num_drafts", sum(1 for p in handle.rows
+                                                         if p.num_drafts))
+            self.tel.count("spec_decode_num_draft_tokens", sum(committed.drafted))
+            self.tel.count("spec_decode_num_accepted_tokens", sum(committed.accepted))
+            for d, n in enumerate(committed.accepted):
+                self.tel.count(f"spec_decode_num_accepted_tokens_per_pos_{d}", n)
+        if self.gate is not None and handle.decoding:
+            self.gate.record(handle.decoding, handle.speculative, committed.tokens, now - since,
+                             committed.accepted, committed.drafted)
 
     # ---- requests in and out --------------------------------------------------------------
 
@@ -410,7 +457,7 @@ class SchedulerCore:
         self.tel.publish(phases.build_snapshot(
             active=self.active, prefilling=self.prefilling, num_parked=self.parking.parked,
             new=new, pending=self.pending, memory=self.memory, num_requests=len(self.requests),
-            steps_total=self.steps_total, now=self.clock.now()))
+            steps_total=self.steps_total, now=self.clock.now(), gate=self.gate))
 
     @property
     def pool(self):

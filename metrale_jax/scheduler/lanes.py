@@ -57,19 +57,28 @@ def _prefill_chunk(memory: Memory, levers: LeverValues, seq: Sequence,
     return chunk[:max(room, 0)]
 
 
-def _row(seq: Sequence, chunk: list[int]) -> PackedRow:
+def _row(seq: Sequence, chunk: list[int], drafts: list[int] = (), spec_depth: int = 0,
+         ) -> PackedRow:
     start = seq.num_computed
     targets = ()
     if seq.prompt_logprobs is not None and start < len(seq.prompt_ids):
         targets = seq.prompt_targets(start, len(chunk))
-    scheduled = ScheduledRow(chunk, start, seq.block_table, seq.slot, seq.row_sampling(),
-                             targets, seq.uid)
-    return PackedRow(seq, seq.epoch, start + len(chunk) == seq.virtual_len, scheduled)
+    samples = start + len(chunk) == seq.virtual_len
+    end = start + len(chunk)
+    # A speculative step's MTP modules read the known tokens past a chunk that stops short.
+    follow = seq.all_ids[end:end + spec_depth] if spec_depth and not samples else ()
+    scheduled = ScheduledRow(chunk + list(drafts), start, seq.block_table, seq.slot,
+                             seq.row_sampling(), targets, seq.uid, num_drafts=len(drafts),
+                             follow=follow)
+    return PackedRow(seq, seq.epoch, samples, scheduled)
 
 
 def pack_lanes(active: list[Sequence], prefilling: list[Sequence], memory: Memory,
-               levers: LeverValues, skip: Collection[int] = ()) -> Packing:
-    """One batch from the running lists; `skip` holds ids of decodes that found no room."""
+               levers: LeverValues, skip: Collection[int] = (), spec_depth: int = 0,
+               ) -> Packing:
+    """One batch from the running lists; `skip` holds ids of decodes that found no room.
+    `spec_depth` > 0: a speculative tick, where decodes carry their drafts (the budget
+    counts them) and prefill chunks the tokens after them."""
     budget = levers.max_tokens_per_tick
     packed: list[PackedRow] = []
 
@@ -78,17 +87,18 @@ def pack_lanes(active: list[Sequence], prefilling: list[Sequence], memory: Memor
                 or id(seq) in skip:
             continue
         chunk = seq.next_chunk(budget)
-        if not memory.grow(seq, seq.num_computed + len(chunk)):
+        drafts = seq.drafts_to_verify(spec_depth, budget) if spec_depth else []
+        if not memory.grow(seq, seq.num_computed + len(chunk) + len(drafts)):
             return Packing(packed, needs_room=seq)
-        packed.append(_row(seq, chunk))
-        budget -= len(chunk)
+        packed.append(_row(seq, chunk, drafts, spec_depth))
+        budget -= len(chunk) + len(drafts)
 
     for seq in prefilling:  # ContinuePrefills, then StartPrefills (admission order)
         if budget == 0 or seq.status is not Status.PREFILLING:
             continue
         chunk = _prefill_chunk(memory, levers, seq, budget)
         if chunk and memory.grow(seq, seq.num_computed + len(chunk)):
-            packed.append(_row(seq, chunk))
+            packed.append(_row(seq, chunk, spec_depth=spec_depth))
             budget -= len(chunk)
 
     starved = None
@@ -104,12 +114,14 @@ def mark_dispatched(packed: list[PackedRow], memory: Memory) -> list[Sequence]:
     done_prefilling = []
     for p in packed:
         seq = p.seq
-        seq.num_computed += len(p.row.tokens)
+        # Drafts count as computed only once verified (`commit_step`), so a row with drafts
+        # commits no block here: the device state then is not that of `num_computed`.
+        seq.num_computed += len(p.row.tokens) - p.row.num_drafts
         if p.samples:
             seq.inflight += 1
             if seq.status is Status.PREFILLING:
                 seq.status = Status.RUNNING
                 done_prefilling.append(seq)
-        if memory.commit_blocks(seq):
+        if not p.row.num_drafts and memory.commit_blocks(seq):
             memory.snapshot_boundary(seq)
     return done_prefilling

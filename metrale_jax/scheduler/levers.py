@@ -25,11 +25,19 @@ class LeverValues:
     swap_enabled: bool             # spill sequences to disk instead of recomputing
     pipeline_enabled: bool         # dispatch step N+1 before reading step N
     prefix_cache_enabled: bool     # reuse cached prefix blocks at admission
+    # The MTP gate's policy: auto (speculate where it pays) / on / off. Only "off" exists
+    # where speculative decoding is not configured.
+    mtp_policy: str = "off"
+
+
+MTP_POLICIES = ("auto", "on", "off")
 
 
 class Levers:
-    def __init__(self, values: LeverValues, limits: dict[str, int]):
+    def __init__(self, values: LeverValues, limits: dict[str, int],
+                 speculative: bool = False):
         self._limits = dict(limits)  # upper bounds fixed by the compiled buckets
+        self._speculative = speculative  # the speculative step was built
         self._lock = threading.Lock()
         self._values = self._validated(values)
 
@@ -53,6 +61,13 @@ class Levers:
         hints = typing.get_type_hints(LeverValues)
         for f in dataclasses.fields(v):
             value, want = getattr(v, f.name), hints[f.name]
+            if want is str:
+                if value not in MTP_POLICIES:
+                    raise LeverError(f"{f.name}: must be one of {MTP_POLICIES}, got {value!r}")
+                if value != "off" and not self._speculative:
+                    raise LeverError(f"{f.name}: speculative decoding is not configured (start "
+                                     "the engine with a speculative_config)")
+                continue
             ok = (type(value) is bool) if want is bool else (
                 isinstance(value, (int, float)) and type(value) is not bool
                 if want is float else isinstance(value, int) and type(value) is not bool)

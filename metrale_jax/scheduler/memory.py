@@ -86,6 +86,14 @@ class Memory:
             added += 1
         return added
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past what the sequence's tokens need (a speculative row
+        took blocks for drafts that were rejected); committed blocks are never trimmed."""
+        keep = max(self.blocks_for(seq.virtual_len), len(seq.block_hashes))
+        if len(seq.block_table) > keep:
+            tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
+            self.pool.release(tail)
+
     def snapshot_boundary(self, seq: Sequence) -> None:
         """After a commit that ends exactly on the computed tokens, keep the SSM state there
         (the copy runs after this step on the device)."""

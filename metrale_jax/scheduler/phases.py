@@ -16,6 +16,7 @@ from metrale_jax.scheduler.policy import AdmissionPolicy
 from metrale_jax.scheduler.snapshot import SchedulerSnapshot
 from metrale_jax.scheduler.state import Pending
 from metrale_jax.sequence import Sequence
+from metrale_jax.spec.gate import MtpGate
 
 logger = logging.getLogger(__name__)
 
@@ -71,16 +72,20 @@ def gate_admissions(new: list[Sequence], *, pending: Pending, memory: Memory,
 
 def build_snapshot(*, active: list[Sequence], prefilling: list[Sequence], num_parked: int,
                    new: list[Sequence], pending: Pending, memory: Memory, num_requests: int,
-                   steps_total: int, now: float) -> SchedulerSnapshot:
-    """Phase 4: every field of the seed's snapshot, plus the live counts the server reads."""
+                   steps_total: int, now: float, gate: MtpGate | None = None,
+                   ) -> SchedulerSnapshot:
+    """Phase 4: every field of the seed's snapshot, plus the live counts the server reads.
+    `mtp_mode` and `delivered_tps` are the MTP gate's (`observe()`); off without one."""
     pool = memory.pool
     stats = pool.stats
+    mtp_mode, delivered = gate.observe() if gate is not None else ("off", 0.0)
     return SchedulerSnapshot(
         active_seqs=len(active), prefilling_seqs=len(prefilling), swapped_seqs=num_parked,
         pending_len=len(new), waiting_len=len(pending.waiting), kv_blocks_free=pool.num_free,
         kv_blocks_cached=pool.num_cached, kv_blocks_total=pool.num_usable,
         ssm_slots_used=memory.snapshots.used, ssm_slots_total=memory.snapshots.total,
-        mtp_mode="off", delivered_tps=0.0, steps_total=steps_total, published_at=now,
+        mtp_mode=str(getattr(mtp_mode, "value", mtp_mode)), delivered_tps=float(delivered),
+        steps_total=steps_total, published_at=now,
         requests_len=num_requests, prefix_query_tokens=stats.prefix_query_tokens,
         prefix_hit_tokens=stats.prefix_hit_tokens)
 

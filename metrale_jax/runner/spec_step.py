@@ -1,0 +1,138 @@
+"""The speculative step: verify each row's drafts and draft the next ones, in one program.
+
+A decoding row arrives as its last token followed by up to k drafts (`SpecInputs.num_drafts`).
+The backbone runs them as one chunk; the target distribution at each of the row's last
+n+1 positions (`sampler.target_logits`: the plain step's distribution, bias, penalties,
+temperature and filters included) verifies the drafts with the MTP acceptance kernel
+(`pallas_kernels/mtp`): greedy rows accept while the draft is the argmax, sampled rows by
+rejection sampling, so every emitted token is distributed exactly as plain decoding's. The
+Mamba2 layers keep their state after each of the first k+1 positions of every row, and the
+row's state after its last accepted token replaces the state after all k+1 (rollback
+without recompute). Rejected K/V is left where it is: the host rolls the sequence back by
+length, and the next step overwrites those positions.
+
+Then the MTP modules draft (DeepSeek-V3 chaining, greedy): depth d reads depth d-1's output
+at every position of the batch and the embedding of the token d+1 places after it, writes
+its own K/V there (so later drafts attend over the whole context), and at each row's last
+verified position proposes the next draft. Prefill chunks in the same batch fill their MTP
+K/V the same way, reading the known prompt tokens past the chunk (`SpecInputs.follow`).
+Drafts are only proposals: a poor one costs acceptance, never exactness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+from metrale_jax.model.batch import StepBatch
+from metrale_jax.model.caches import DeviceCaches
+from metrale_jax.model.hybrid import HybridLM
+from metrale_jax.runner.sampler import (SampleResult, SamplingArrays, raw_logprobs, row_keys,
+                                        target_logits, token_ranks)
+from metrale_jax.runner.penalties import SamplingTables
+from pallas_kernels.scatter import set_rows
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecInputs:
+    num_drafts: Int[Array, "S"]   # [S] drafts at the end of each row's chunk (0: none)
+    samples: Bool[Array, "S"]     # [S] the chunk reaches the sequence's end (it samples)
+    follow: Int[Array, "S K"]     # [S, K] known tokens after a chunk that does not sample
+                                  # (the prompt goes on), -1 where unknown
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecResult:
+    accepted: Int[Array, "S"]     # [S] drafts accepted per row
+    drafts: Int[Array, "S K"]     # [S, K] the next step's drafts for each row
+
+
+def verify_and_draft(model: HybridLM, batch: StepBatch, sampling: SamplingArrays,
+                     tables: SamplingTables, spec: SpecInputs, caches: DeviceCaches, *,
+                     depth: int, num_top: int,
+                     ) -> tuple[jax.Array, SampleResult, jax.Array, SpecResult, DeviceCaches]:
+    """Inside the jitted step. Returns the backbone's hidden states [T, D], the emitted
+    tokens as a flat [S * (k+1)] SampleResult (row s, position j at s * (k+1) + j; -1 past
+    the accepted drafts + 1) with their ranks, the SpecResult and the new caches."""
+    k1 = depth + 1
+    s = batch.num_rows
+    vocab = model.cfg.vocab_size
+    hidden, caches, candidates = model.forward_keeping_states(batch, caches, window=k1)
+
+    # The row's last non-draft token and the n drafts after it: positions 0..n of [S, k+1].
+    first = batch.sample_index - spec.num_drafts
+    cols = jnp.arange(k1, dtype=jnp.int32)
+    index = jnp.minimum(first[:, None] + cols[None, :], batch.sample_index[:, None])  # [S, k+1]
+    logits = model.logits(hidden[index.reshape(-1)])  # [S*(k+1), V]
+    per_position = jax.tree.map(lambda a: jnp.repeat(a, k1, axis=0), sampling)
+    per_position = dataclasses.replace(
+        per_position, counters=per_position.counters + jnp.tile(cols, s))
+    target = target_logits(logits, per_position, tables, vocab_size=vocab)
+    draft_in = jnp.where(cols[None, :depth] < spec.num_drafts[:, None],
+                         batch.token_ids[jnp.minimum(first[:, None] + 1 + cols[None, :depth],
+                                                     batch.num_tokens - 1)], -1)  # [S, k]
+    greedy = sampling.temperature <= 0.0
+    keys = jax.random.key_data(row_keys(sampling.seeds, sampling.counters))
+    # Drafts are greedy: a one-hot draft distribution, so acceptance is min(1, p(d)) and a
+    # rejection resamples from p without d. `target` is already tempered and filtered.
+    accepted, tokens = model.ops.mtp_accept(
+        target.reshape(s, k1, -1), draft_in, jax.nn.one_hot(draft_in, target.shape[-1]),
+        keys, jnp.where(greedy, 0.0, 1.0))
+    flat_tokens = tokens.reshape(-1)
+    emitted = raw_logprobs(logits, flat_tokens, num_top=num_top, vocab_size=vocab)
+    ranks = token_ranks(logits, flat_tokens)
+
+    caches = _roll_back_ssm(caches, candidates, batch.ssm_slots, spec.num_drafts, accepted)
+    bonus = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
+    drafts, caches = _draft(model, hidden, batch, spec, caches, first + accepted, bonus,
+                            depth)
+    return hidden, emitted, ranks, SpecResult(accepted, drafts), caches
+
+
+def _draft(model: HybridLM, hidden: jax.Array, batch: StepBatch, spec: SpecInputs,
+           caches: DeviceCaches, last_verified: Int[Array, "S"], bonus: Int[Array, "S"],
+           depth: int) -> tuple[Int[Array, "S K"], DeviceCaches]:
+    """The MTP chain over every position of the batch; returns each row's k drafts."""
+    t = batch.num_tokens
+    real = batch.context_lens > 0
+    # Where each row's chain reads a token the batch does not hold: its last verified
+    # position (padding rows point past the end and are dropped).
+    anchor = jnp.where(real, jnp.where(spec.samples, last_verified, batch.sample_index), t)
+    after = lambda d, newest: jnp.where(spec.samples, newest,  # noqa: E731
+                                        jnp.maximum(spec.follow[:, d], 0))
+    shift = lambda x: jnp.concatenate([x[1:], jnp.zeros((1,), x.dtype)])  # noqa: E731
+    # next_ids[p]: the token d+1 places after position p (depth d's input embedding).
+    next_ids = shift(batch.token_ids).at[anchor].set(after(0, bonus), mode="drop")
+    h, drafts = hidden, []
+    for d in range(depth):
+        h, normed, caches = model.mtp_forward(d, h, next_ids, batch, caches)
+        proposal = model.logits(normed[jnp.minimum(anchor, t - 1)])
+        proposal = jnp.where(jnp.arange(proposal.shape[1]) < model.cfg.vocab_size,
+                             proposal, -jnp.inf)
+        drafts.append(jnp.argmax(proposal, axis=-1).astype(jnp.int32))
+        if d + 1 < depth:
+            next_ids = shift(next_ids).at[anchor].set(after(d + 1, drafts[-1]), mode="drop")
+    return jnp.stack(drafts, axis=1), caches
+
+
+def _roll_back_ssm(caches: DeviceCaches, candidates: list, slots: Int[Array, "S"],
+                   num_drafts: Int[Array, "S"], accepted: Int[Array, "S"]) -> DeviceCaches:
+    """A row that verified drafts keeps the state after its last accepted token."""
+    if not candidates:
+        return caches
+    verify = num_drafts > 0
+    conv, ssm = list(caches.conv), list(caches.ssm)
+    for i, (tails, states) in enumerate(candidates):
+        pick = lambda c: jnp.take_along_axis(  # noqa: E731
+            c, accepted.reshape((-1,) + (1,) * (c.ndim - 1)), axis=1)[:, 0]
+        keep = lambda pool, c: jnp.where(  # noqa: E731
+            verify.reshape((-1,) + (1,) * (pool.ndim - 1)), pick(c).astype(pool.dtype),
+            pool[slots])
+        conv[i] = set_rows(conv[i], slots, keep(conv[i], tails))
+        ssm[i] = set_rows(ssm[i], slots, keep(ssm[i], states))
+    return dataclasses.replace(caches, conv=tuple(conv), ssm=tuple(ssm))

@@ -1,0 +1,196 @@
+"""MTP speculative decoding is exact: greedy outputs of hypothesis-generated workloads with
+speculation on (gate "on", and "auto", which switches between the plain and speculative
+steps tick by tick) equal each request run alone with speculation off — across prefix cache
+on/off, pipeline on/off, token budgets and chunk sizes, block sizes, and a KV pool so small
+that it must spill or preempt; on the built-in hybrid (trained MTP modules: drafts are
+often accepted) and on a NemotronH hybrid whose checkpoint carries MTP modules (random:
+drafts are mostly rejected, so rollback runs all the time)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from metrale_jax.engine import LLMEngine
+from metrale_jax.request import SamplingParams
+from metrale_jax.spec.config import SpeculativeConfigError
+from tests.hf_models import add_nemotronh_mtp, save_tiny_nemotronh
+from tests.scheduler_harness import assert_accounted
+
+COMMON = dict(max_batch_size=4, max_tokens_per_tick=32, max_seq_len=64, seq_buckets=(4,),
+              token_buckets=(16, 32), query_buckets=(1, 8, 32), max_logprobs=2,
+              num_ssm_snapshots=4)
+SPEC = {"method": "mtp", "num_speculative_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def nemotron_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("nemotronh-mtp")
+    save_tiny_nemotronh(
+        path, vocab_size=2048, intermediate_size=96, mamba_num_heads=4, ssm_state_size=8,
+        max_position_embeddings=128,
+        layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"])
+    add_nemotronh_mtp(path, num_modules=2)
+    return str(path)
+
+
+def _engines(model):
+    return {
+        "roomy": LLMEngine(model, block_size=4, num_kv_blocks=80, block_buckets=(16,),
+                           check_every_tick=True, speculative_config={**SPEC, "gate": "on"},
+                           **COMMON),
+        "tight": LLMEngine(model, block_size=8, num_kv_blocks=10, block_buckets=(8,),
+                           check_every_tick=True, speculative_config={**SPEC, "gate": "auto"},
+                           **COMMON),
+    }
+
+
+@pytest.fixture(scope="module")
+def default_engines():
+    engines = _engines(None)
+    yield engines
+    for e in engines.values():
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def nemotron_engines(nemotron_dir):
+    engines = _engines(nemotron_dir)
+    yield engines
+    for e in engines.values():
+        e.close()
+
+
+_solo: dict = {}
+
+
+def _solo_run(engine: LLMEngine, key, prompt: list[int], max_tokens: int) -> list[int]:
+    """The request alone with speculation off: no prefix cache, no pipeline, nothing else
+    in flight, the plain step only."""
+    cache_key = (key, tuple(prompt), max_tokens)
+    if cache_key not in _solo:
+        levers = engine.levers.get()
+        engine.levers.set(prefix_cache_enabled=False, pipeline_enabled=False, mtp_policy="off")
+        try:
+            req = engine.make_request({"prompt_token_ids": prompt}, SamplingParams(
+                temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+            engine.submit(req)
+            while not req.finished:
+                engine.step()
+            _solo[cache_key] = req.sequences[0].output_ids
+        finally:
+            engine.levers.set(**{k: getattr(levers, k) for k in
+                                 ("prefix_cache_enabled", "pipeline_enabled", "mtp_policy")})
+    return _solo[cache_key]
+
+
+workloads = st.lists(st.fixed_dictionaries({
+    "prefix_len": st.sampled_from([0, 5, 17, 30]),
+    "tail": st.lists(st.integers(3, 2000), min_size=1, max_size=10),
+    "max_tokens": st.integers(1, 12),
+    "arrive": st.integers(0, 4),
+    "abort_at": st.one_of(st.none(), st.integers(1, 8)),
+}), min_size=2, max_size=5)
+levers = st.fixed_dictionaries({
+    "prefix_cache_enabled": st.booleans(), "pipeline_enabled": st.booleans(),
+    "swap_enabled": st.booleans(), "max_tokens_per_tick": st.sampled_from([8, 16, 32]),
+    "prefill_chunk_size": st.sampled_from([3, 8, 32]),
+})
+SHARED = list(range(100, 140))
+
+
+def _check(engines, key, pool, work, lever_values):
+    engine = engines[pool]
+    engine.levers.set(**lever_values)
+    before = engine.core.tel.counters().get("spec_decode_num_drafts", 0)
+    reqs = []
+    for w in work:
+        prompt = SHARED[:w["prefix_len"]] + w["tail"]
+        reqs.append((w, engine.make_request({"prompt_token_ids": prompt}, SamplingParams(
+            temperature=0.0, max_tokens=w["max_tokens"], ignore_eos=True))))
+    for tick in range(500):
+        for w, r in reqs:
+            if w["arrive"] == tick:
+                engine.submit(r)
+            if w["abort_at"] == tick and w["arrive"] < tick:
+                engine.abort(r.request_id)
+        if tick > 8 and all(r.finished for _, r in reqs):
+            break
+        engine.step()
+    engine.drain()
+    for w, r in reqs:
+        s = r.sequences[0]
+        assert s.finished
+        if s.finish_reason == "abort":
+            continue
+        assert s.output_ids == _solo_run(engine, key, s.prompt_ids, w["max_tokens"]), w
+    assert_accounted(engine.core)
+    return engine.core.tel.counters().get("spec_decode_num_drafts", 0) - before
+
+
+SETTINGS = settings(max_examples=8, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(pool=st.sampled_from(["roomy", "tight"]), work=workloads, lever_values=levers)
+def test_default_model_with_mtp_equals_plain_solo(default_engines, pool, work, lever_values):
+    _check(default_engines, "default", pool, work, lever_values)
+
+
+@SETTINGS
+@given(pool=st.sampled_from(["roomy", "tight"]), work=workloads, lever_values=levers)
+def test_nemotronh_with_mtp_equals_plain_solo(nemotron_engines, pool, work, lever_values):
+    _check(nemotron_engines, "nemotronh", pool, work, lever_values)
+
+
+def test_drafts_are_verified_and_accepted(default_engines):
+    """The run above is not vacuous: the speculative step ran with drafts, and the trained
+    MTP modules' drafts were accepted at both depths."""
+    engine = default_engines["roomy"]
+    engine.levers.set(prefix_cache_enabled=True, pipeline_enabled=True,
+                      max_tokens_per_tick=32, prefill_chunk_size=32, mtp_policy="on")
+    work = [{"prefix_len": 17, "tail": [5, 6, 7], "max_tokens": 24, "arrive": 0,
+             "abort_at": None}, {"prefix_len": 0, "tail": [900, 901], "max_tokens": 24,
+                                 "arrive": 1, "abort_at": None}]
+    before = engine.core.tel.counters()
+    assert _check(default_engines, "default", "roomy", work, {}) > 0
+    after = engine.core.tel.counters()
+    for d in range(2):
+        name = f"spec_decode_num_accepted_tokens_per_pos_{d}"
+        assert after.get(name, 0) > before.get(name, 0)
+
+
+def test_spill_and_preemption_under_speculation(default_engines):
+    engine = default_engines["tight"]
+    engine.levers.set(swap_enabled=True, pipeline_enabled=True, prefix_cache_enabled=True,
+                      max_tokens_per_tick=32, prefill_chunk_size=32, mtp_policy="on")
+    before = engine.core.tel.counters()
+    reqs = [engine.make_request({"prompt_token_ids": list(range(10 + i, 40 + i))},
+                                SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+            for i in range(3)]
+    for r in reqs:
+        engine.submit(r)
+    while not all(r.finished for r in reqs):
+        engine.step()
+    engine.drain()
+    after = engine.core.tel.counters()
+    assert sum(after.get(k, 0) - before.get(k, 0) for k in ("spills", "preemptions")) > 0
+    assert after["spec_decode_num_drafts"] > before.get("spec_decode_num_drafts", 0)
+    for r in reqs:
+        s = r.sequences[0]
+        assert s.output_ids == _solo_run(engine, "default", s.prompt_ids, 20)
+    assert_accounted(engine.core)
+    engine.levers.set(mtp_policy="auto")
+
+
+def test_speculation_needs_mtp_modules(tmp_path):
+    from tests.hf_models import save_tiny_llama
+
+    save_tiny_llama(tmp_path)
+    with pytest.raises(SpeculativeConfigError, match="needs MTP modules"):
+        LLMEngine(str(tmp_path), speculative_config=SPEC, **COMMON)
+    with pytest.raises(SpeculativeConfigError, match="3 drafts need as many MTP modules"):
+        LLMEngine(None, speculative_config={**SPEC, "num_speculative_tokens": 3}, **COMMON)
