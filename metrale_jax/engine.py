@@ -27,6 +27,7 @@ from metrale_jax.scheduler.policy import make_policy
 from metrale_jax.scheduler.snapshot import SchedulerSnapshot
 from metrale_jax.scheduler.state import OutputSink
 from metrale_jax.sequence import Sequence, decode_logprobs
+from metrale_jax.spec.config import SpeculativeConfig
 from metrale_jax.spec.gate import GateConfig, MtpGate
 from metrale_jax.telemetry import Clock, MonotonicClock
 
@@ -42,6 +43,14 @@ class _NullSink:
         pass
 
 
+def model_default_speculation(num_mtp_modules: int) -> SpeculativeConfig | None:
+    """What `speculative_config="auto"` means: MTP with the gate on auto where the model
+    has MTP modules (up to two drafts), plain decoding where it has none."""
+    if not num_mtp_modules:
+        return None
+    return SpeculativeConfig(num_speculative_tokens=min(2, num_mtp_modules), gate="auto")
+
+
 class LLMEngine:
     def __init__(self, model: str | None = None, *, engine_config: EngineConfig | None = None,
                  clock: Clock | None = None, sink: OutputSink | None = None,
@@ -52,6 +61,8 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         engine = engine_config or EngineConfig()
+        if speculative_config == "auto":
+            speculative_config = model_default_speculation(loaded.config.num_mtp_modules)
         if speculative_config is not None:  # vLLM's name for it
             engine_overrides["speculative"] = speculative_config
         if engine_overrides:

@@ -55,10 +55,28 @@ class EngineCollector:
                           ("cache_losses", "Failed steps that took the device caches with "
                                            "them (running sequences recomputed).")):
             yield self._counter(f"metrale:num_{name}", doc, counters.get(name, 0))
+        yield from self._spec_decode(counters)
         yield from self._phases(stats["phases"])
         yield self._gauge("metrale:compiled_variants",
                           "Compiled step variants (a rise while serving means a compile).",
                           stats["compiled_variants"])
+
+    def _spec_decode(self, counters: dict):
+        """Speculative decoding, shaped like vLLM's `vllm:spec_decode_*` counters."""
+        for name, doc in (("num_drafts", "Sequences that verified drafts in a step."),
+                          ("num_draft_tokens", "Draft tokens verified."),
+                          ("num_accepted_tokens", "Draft tokens accepted.")):
+            yield self._counter(f"metrale:spec_decode_{name}", doc,
+                                counters.get(f"spec_decode_{name}", 0))
+        prefix = "spec_decode_num_accepted_tokens_per_pos_"
+        per_pos = CounterMetricFamily(
+            "metrale:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0: the first draft).",
+            labels=[*self.labels, "position"])
+        for key in sorted((k for k in counters if k.startswith(prefix)),
+                          key=lambda k: int(k[len(prefix):])):
+            per_pos.add_metric([*self.labels.values(), key[len(prefix):]], counters[key])
+        yield per_pos
 
     def _snapshot(self, snap):
         """Counts from the published snapshot (vLLM's metric names where they exist)."""
@@ -89,6 +107,14 @@ class EngineCollector:
         yield self._counter("metrale:scheduler_steps",
                             "Ticks the scheduler has run, idle ones included (the seed's "
                             "steps_total).", snap.steps_total)
+        yield self._gauge("metrale:delivered_tokens_per_second",
+                          "The MTP gate's delivered tokens/s (EMA); 0 without speculation.",
+                          snap.delivered_tps)
+        mode = GaugeMetricFamily("metrale:mtp_mode", "The MTP gate's mode this tick (1 for "
+                                 "the current one).", labels=[*self.labels, "mode"])
+        for name in ("off", "on", "probing"):
+            mode.add_metric([*self.labels.values(), name], float(snap.mtp_mode == name))
+        yield mode
 
     def _phases(self, phases):
         summary = SummaryMetricFamily("metrale:tick_phase_duration_seconds",

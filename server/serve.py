@@ -72,6 +72,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--no-pipeline", action="store_true")
     e.add_argument("--no-swap", action="store_true")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--speculative-config", default="auto",
+                   help='speculative decoding, vLLM\'s JSON: {"method": "mtp", '
+                        '"num_speculative_tokens": 2, "gate": "auto"}; "auto" (default): '
+                        'MTP with the gate on auto where the model has MTP modules; "none": off')
     e.add_argument("--ladders", choices=("sparse", "pow2"), default="sparse",
                    help="default bucket ladders: a few sizes (fast warm-up) or powers of two")
     for name in ("token", "seq", "prefill-seq", "query", "block"):
@@ -118,6 +122,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def speculative_arg(args: argparse.Namespace) -> str | None:
+    """`--speculative-config`: JSON, "auto" (the engine picks from the model) or "none"."""
+    value = args.speculative_config
+    return None if value.strip().lower() in ("none", "null", "off") else value
+
+
 def _enable_compilation_cache(directory: str) -> None:
     if directory.lower() == "none":
         return
@@ -154,7 +164,8 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> int:
     from server.openai_routes import STATE
     from server.state import ServerConfig
 
-    llm = AsyncLLM(args.model, dtype=args.dtype, **engine_kwargs(args))
+    llm = AsyncLLM(args.model, dtype=args.dtype, speculative_config=speculative_arg(args),
+                   **engine_kwargs(args))
     config = ServerConfig(served_model_names=tuple(args.served_model_name or ()),
                           api_key=api_key, max_waiting=args.max_waiting,
                           max_body_bytes=args.max_body_bytes)

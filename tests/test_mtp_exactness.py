@@ -194,3 +194,60 @@ def test_speculation_needs_mtp_modules(tmp_path):
         LLMEngine(str(tmp_path), speculative_config=SPEC, **COMMON)
     with pytest.raises(SpeculativeConfigError, match="3 drafts need as many MTP modules"):
         LLMEngine(None, speculative_config={**SPEC, "num_speculative_tokens": 3}, **COMMON)
+
+
+def _generate(engine: LLMEngine, prompt: list[int], params: SamplingParams, policy: str):
+    engine.levers.set(mtp_policy=policy, pipeline_enabled=True, prefix_cache_enabled=True)
+    req = engine.make_request({"prompt_token_ids": prompt}, params)
+    engine.submit(req)
+    while not req.finished:
+        engine.step()
+    engine.drain()
+    return req.sequences
+
+
+def test_logprobs_stops_and_n_equal_with_mtp_on_and_off(default_engines):
+    """What a speculative run emits per token (logprobs, ranks, top-n) and where it stops
+    (a stop string or stop token inside an accepted run, max_tokens) equal the plain run."""
+    engine = default_engines["roomy"]
+    prompt = [SHARED[0], 900, 17, 33, 1200]
+    plain = _generate(engine, prompt, SamplingParams(temperature=0.0, max_tokens=30,
+                                                     ignore_eos=True), "off")[0]
+    stop_token = plain.output_ids[9]
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2, n=2),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                       stop_token_ids=[stop_token]),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                       stop=[plain.text[12:15]]),
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, min_tokens=3),
+    ]
+    for params in cases:
+        off = _generate(engine, prompt, params, "off")
+        on = _generate(engine, prompt, params, "on")
+        for a, b in zip(off, on):
+            assert b.output_ids == a.output_ids and b.text == a.text
+            assert (b.finish_reason, b.stop_reason) == (a.finish_reason, a.stop_reason)
+            if a.logprobs is not None:
+                for pa, pb in zip(a.logprobs, b.logprobs):
+                    assert pa.keys() == pb.keys()
+                    for t in pa:
+                        assert abs(pa[t].logprob - pb[t].logprob) < 1e-4
+                        assert pa[t].rank == pb[t].rank
+
+
+def test_sampled_requests_run_under_speculation(default_engines):
+    """Seeded sampling with filters and penalties under speculation: every request finishes
+    with its token count, penalized rows decode one token at a time (no drafts)."""
+    engine = default_engines["roomy"]
+    engine.levers.set(mtp_policy="on")
+    reqs = [engine.make_request({"prompt_token_ids": [SHARED[i], 50 + i]}, SamplingParams(
+        temperature=0.9, top_k=20, top_p=0.9, seed=i, max_tokens=16, ignore_eos=True,
+        repetition_penalty=1.2 if i == 0 else 1.0)) for i in range(3)]
+    for r in reqs:
+        engine.submit(r)
+    while not all(r.finished for r in reqs):
+        engine.step()
+    engine.drain()
+    assert all(len(r.sequences[0].output_ids) == 16 for r in reqs)
+    assert_accounted(engine.core)

@@ -9,6 +9,7 @@ hit included) records '/jax/core/compile/backend_compile_duration'.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import jax
@@ -80,24 +81,28 @@ def random_mix(seed: int, vocab: int, n: int) -> tuple[list[dict], list[Sampling
     return prompts, params
 
 
-def _drive_without_compiling(llm: LLM, seed: int) -> dict:
+def _drive_without_compiling(llm: LLM, seed: int, n: int = NUM_REQUESTS,
+                             penalties: bool = True) -> dict:
     counter = llm.runner.counter
     before = counter.count
-    prompts, params = random_mix(seed, llm.model_config.vocab_size, NUM_REQUESTS)
+    prompts, params = random_mix(seed, llm.model_config.vocab_size, n)
+    if not penalties:  # penalized rows never draft: a mix where most rows can
+        params = [dataclasses.replace(p, repetition_penalty=1.0, presence_penalty=0.0,
+                                      frequency_penalty=0.0) for p in params]
     start = dict(llm.engine.stats()["counters"])
     with CompileWatch() as watch:
         outs = []
-        for i in range(0, NUM_REQUESTS, 130):  # in waves, so the pool drains and refills
+        for i in range(0, n, 130):  # in waves, so the pool drains and refills
             outs += llm.generate(prompts[i:i + 130], params[i:i + 130])
     assert watch.compiled == [], f"compiled after warm-up: {watch.compiled}"
     assert counter.count == before
-    assert len(outs) == NUM_REQUESTS and all(o.finished for o in outs)
+    assert len(outs) == n and all(o.finished for o in outs)
     assert all(c.finish_reason is not None for o in outs for c in o.outputs)
     return {k: v - start.get(k, 0) for k, v in llm.engine.stats()["counters"].items()}
 
 
-def _warmed(model: str | None) -> LLM:
-    llm = LLM(model, **ENGINE)
+def _warmed(model: str | None, **extra) -> LLM:
+    llm = LLM(model, **ENGINE, **extra)
     llm.runner.warmup(progress=False)
     return llm
 
@@ -125,6 +130,22 @@ def test_builtin_model_compiles_nothing_after_warmup(builtin):
     # (SSM snapshot copies on this hybrid) and penalties after both.
     assert stats.get("spills", 0) > 0 and stats.get("swap_ins", 0) > 0, stats
     assert builtin.engine.core.pool.stats.prefix_hit_tokens > hits
+
+
+def test_builtin_model_with_mtp_compiles_nothing_after_warmup():
+    """Speculative decoding on, the gate on auto: ticks run the plain step and the
+    speculative one (drafts verified beside prefill chunks, spills and preemptions)."""
+    llm = _warmed(None, speculative_config={"method": "mtp", "num_speculative_tokens": 2,
+                                            "gate": "auto"})
+    try:
+        stats = _drive_without_compiling(llm, seed=3, n=260)
+        assert stats.get("spills", 0) > 0, stats
+        llm.engine.levers.set(mtp_policy="on")
+        stats = _drive_without_compiling(llm, seed=4, n=260, penalties=False)
+        assert stats.get("spec_decode_num_drafts", 0) > 0, stats
+        assert stats.get("spec_decode_num_accepted_tokens", 0) > 0, stats
+    finally:
+        llm.engine.close()
 
 
 def test_llama_compiles_nothing_after_warmup(llama):

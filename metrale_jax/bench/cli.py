@@ -172,6 +172,15 @@ def _step(args) -> int:
                           "model": args.model or "built-in default", **result})
 
 
+def _mtp(args) -> int:
+    from metrale_jax.bench.mtp import mtp_benchmark
+
+    result = mtp_benchmark(args.model, args.batches, args.output_len, args.rounds, args.depth)
+    return _finish(args, {"benchmark": "MTP speculative decoding: delivered tok/s off / on / "
+                                       "gated", "model": args.model or "built-in default",
+                          **result})
+
+
 def _startup(args) -> int:
     from metrale_jax.bench.startup import startup
 
@@ -292,6 +301,16 @@ def add_parser(sub) -> None:
                    help="weights and activations (default: the checkpoint's)")
     _output_arg(p)
     p.set_defaults(func=_step)
+
+    p = cmds.add_parser("mtp", help="MTP speculative decoding: delivered tok/s with it off, "
+                                    "on and gated, per batch size, and acceptance per depth")
+    _model_arg(p)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--depth", type=int, default=2, help="num_speculative_tokens")
+    _output_arg(p)
+    p.set_defaults(func=_mtp)
 
     p = cmds.add_parser("startup", help="metrale serve: cold start (empty compilation "
                                         "cache) and cached start, exec to /health 200")

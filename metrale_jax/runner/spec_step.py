@@ -25,7 +25,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.caches import DeviceCaches
@@ -33,6 +33,7 @@ from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.runner.sampler import (SampleResult, SamplingArrays, raw_logprobs, row_keys,
                                         target_logits, token_ranks)
 from metrale_jax.runner.penalties import SamplingTables
+from pallas_kernels.backend import KernelOps
 from pallas_kernels.scatter import set_rows
 
 
@@ -60,7 +61,6 @@ def verify_and_draft(model: HybridLM, batch: StepBatch, sampling: SamplingArrays
     tokens as a flat [S * (k+1)] SampleResult (row s, position j at s * (k+1) + j; -1 past
     the accepted drafts + 1) with their ranks, the SpecResult and the new caches."""
     k1 = depth + 1
-    s = batch.num_rows
     vocab = model.cfg.vocab_size
     hidden, caches, candidates = model.forward_keeping_states(batch, caches, window=k1)
 
@@ -69,20 +69,11 @@ def verify_and_draft(model: HybridLM, batch: StepBatch, sampling: SamplingArrays
     cols = jnp.arange(k1, dtype=jnp.int32)
     index = jnp.minimum(first[:, None] + cols[None, :], batch.sample_index[:, None])  # [S, k+1]
     logits = model.logits(hidden[index.reshape(-1)])  # [S*(k+1), V]
-    per_position = jax.tree.map(lambda a: jnp.repeat(a, k1, axis=0), sampling)
-    per_position = dataclasses.replace(
-        per_position, counters=per_position.counters + jnp.tile(cols, s))
-    target = target_logits(logits, per_position, tables, vocab_size=vocab)
     draft_in = jnp.where(cols[None, :depth] < spec.num_drafts[:, None],
                          batch.token_ids[jnp.minimum(first[:, None] + 1 + cols[None, :depth],
                                                      batch.num_tokens - 1)], -1)  # [S, k]
-    greedy = sampling.temperature <= 0.0
-    keys = jax.random.key_data(row_keys(sampling.seeds, sampling.counters))
-    # Drafts are greedy: a one-hot draft distribution, so acceptance is min(1, p(d)) and a
-    # rejection resamples from p without d. `target` is already tempered and filtered.
-    accepted, tokens = model.ops.mtp_accept(
-        target.reshape(s, k1, -1), draft_in, jax.nn.one_hot(draft_in, target.shape[-1]),
-        keys, jnp.where(greedy, 0.0, 1.0))
+    accepted, tokens = accept_drafts(logits, draft_in, sampling, tables, ops=model.ops,
+                                     vocab_size=vocab)
     flat_tokens = tokens.reshape(-1)
     emitted = raw_logprobs(logits, flat_tokens, num_top=num_top, vocab_size=vocab)
     ranks = token_ranks(logits, flat_tokens)
@@ -92,6 +83,28 @@ def verify_and_draft(model: HybridLM, batch: StepBatch, sampling: SamplingArrays
     drafts, caches = _draft(model, hidden, batch, spec, caches, first + accepted, bonus,
                             depth)
     return hidden, emitted, ranks, SpecResult(accepted, drafts), caches
+
+
+def accept_drafts(logits: Float[Array, "R V"], drafts: Int[Array, "S K"],
+                  sampling: SamplingArrays, tables: SamplingTables, *, ops: KernelOps,
+                  vocab_size: int | None = None) -> tuple[Int[Array, "S"], Int[Array, "S K1"]]:
+    """Verify each row's drafts (-1: none) against the target logits at its k+1 positions
+    (row s, position j at s * (k+1) + j); returns the accepted counts and the emitted
+    tokens (-1 past accepted + 1). Position j samples as the row's (j+1)-th next token
+    would: the same bias, penalties, temperature and filters, and its own random stream."""
+    s, depth = drafts.shape
+    k1 = depth + 1
+    per_position = jax.tree.map(lambda a: jnp.repeat(a, k1, axis=0), sampling)
+    per_position = dataclasses.replace(
+        per_position, counters=per_position.counters + jnp.tile(jnp.arange(k1), s))
+    target = target_logits(logits, per_position, tables, vocab_size=vocab_size)
+    greedy = sampling.temperature <= 0.0
+    keys = jax.random.key_data(row_keys(sampling.seeds, sampling.counters))
+    # Drafts are greedy: a one-hot draft distribution, so acceptance is min(1, p(d)) and a
+    # rejection resamples from p without d. `target` is already tempered and filtered.
+    return ops.mtp_accept(target.reshape(s, k1, -1), drafts,
+                          jax.nn.one_hot(drafts, target.shape[-1]), keys,
+                          jnp.where(greedy, 0.0, 1.0))
 
 
 def _draft(model: HybridLM, hidden: jax.Array, batch: StepBatch, spec: SpecInputs,

@@ -296,8 +296,9 @@ class SchedulerCore:
                                                          if p.num_drafts))
             self.tel.count("spec_decode_num_draft_tokens", sum(committed.drafted))
             self.tel.count("spec_decode_num_accepted_tokens", sum(committed.accepted))
-            for d, n in enumerate(committed.accepted):
+            for d, (n, m) in enumerate(zip(committed.accepted, committed.drafted)):
                 self.tel.count(f"spec_decode_num_accepted_tokens_per_pos_{d}", n)
+                self.tel.count(f"spec_decode_num_drafts_per_pos_{d}", m)
         if self.gate is not None and handle.decoding:
             self.gate.record(handle.decoding, handle.speculative, committed.tokens, now - since,
                              committed.accepted, committed.drafted)

@@ -4,8 +4,8 @@ Whether drafting pays depends on what the step costs at this batch size on this 
 on how often drafts are accepted, so the gate measures instead of predicting: delivered
 tokens per second of wall clock (tokens committed to requests, not tokens computed), as an
 EMA per batch-size bucket and per mode. Until both modes have `warmup_ticks` samples in a
-bucket it alternates them (probing); then it keeps the faster one, switching only past an
-asymmetric margin (turning on needs a clear win, turning off a clear loss) so noise does not
+bucket it runs them in turn, in bursts of ticks (probing); then it keeps the faster one,
+switching only past an asymmetric margin (turning on needs a clear win, turning off a clear loss) so noise does not
 flip it tick to tick; every `reprobe_every_s` it runs the other mode for `probe_ticks` ticks,
 because load and acceptance drift. With the policy "on" or "off" it never probes.
 
@@ -95,6 +95,10 @@ class MtpGate:
         self._mode = MtpMode.OFF       # what the last `choose` decided
         self._delivered_tps = 0.0      # EMA over every tick, whichever mode ran
         self._acceptance: list[float | None] = [None] * num_depths
+        # Warm-up runs each mode for a burst of ticks in a row, across buckets (the batch
+        # size moves while sequences come and go; a sequence's drafts are its own).
+        self._burst_mode = False
+        self._burst_left = 0
 
     # ---- queries ------------------------------------------------------------------------
 
@@ -127,8 +131,15 @@ class MtpGate:
             return policy == "on"
         b = self._bucket(batch_size)
         if not b.warm(self.config.warmup_ticks):
-            self._mode = MtpMode.PROBING  # fewer samples first; plain on a tie
-            return b.samples[True] < b.samples[False]
+            # Bursts of ticks in a row, the mode with fewer samples first (plain on a tie):
+            # drafts come from the tick before, so alternating tick by tick would measure a
+            # speculative step that never has drafts to verify.
+            self._mode = MtpMode.PROBING
+            if not self._burst_left:
+                self._burst_mode = b.samples[True] < b.samples[False]
+                self._burst_left = self.config.warmup_ticks
+            self._burst_left -= 1
+            return self._burst_mode
         if not b.probe_left and self.clock.now() - b.decided_at >= self.config.reprobe_every_s:
             b.probe_left = self.config.probe_ticks
         if b.probe_left:
