@@ -165,6 +165,10 @@ class EngineConfig:
     # no fast bf16 path for the attention mat-vecs) and the model's dtype elsewhere.
     kv_cache_dtype: str = "auto"
     seed: int = 0
+    # Where each step variant's lowered program is kept so that later starts skip tracing
+    # (runner/stored_step.py): "auto" is inside JAX's persistent compilation cache directory
+    # when one is set, "none" turns it off, anything else is a directory.
+    program_cache: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_memory_bytes", "max_seq_len", "max_batch_size",

@@ -22,6 +22,7 @@ from metrale_jax.model.caches import (DeviceCaches, allocate_caches, kv_cache_dt
 from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.runner.buckets import BucketLadders, CompileCounter, StepShape
 from metrale_jax.runner.inputs import build_step_batch
+from metrale_jax.runner.program_store import ProgramStore
 from metrale_jax.runner.progress import WarmupProgress
 from metrale_jax.runner.penalties import history_width
 from metrale_jax.runner.sampler import make_sampling_arrays
@@ -48,8 +49,9 @@ class ModelRunner:
         self.engine = engine
         self.model_config = model.cfg
         self.ladders = BucketLadders.from_config(engine)
-        model.use_kernels(engine.kernel_backend)  # before the split: the choice is static
-        self.step = StepRunner(model, counter)
+        ops = model.use_kernels(engine.kernel_backend)  # before the split: the choice is static
+        self.step = StepRunner(model, counter, store=ProgramStore.from_setting(
+            engine.program_cache), store_tag=f"{model.cfg!r} {ops!r}")
         self.num_blocks = num_kv_blocks(model.cfg, engine)
         # Slot 0 is the null slot, then one per running sequence (its SSM state and its
         # future-token cell), then the SSM snapshot slots.
