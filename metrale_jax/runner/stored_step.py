@@ -63,8 +63,7 @@ class StoredStep:
                 logger.warning("a step variant cannot be exported (%s: %s); compiling it "
                                "directly", type(err).__name__, err)
                 return None
-            self._store.save(key, pickle.dumps(
-                {"exported": bytes(loaded[0].serialize()), "out_tree": loaded[1]}))
+            self._save(key, *loaded)
         exported, out_tree = loaded
 
         def call_stored(*structured):
@@ -72,6 +71,15 @@ class StoredStep:
             return jax.tree.unflatten(out_tree, exported.call(*jax.tree.leaves(structured)))
 
         return jax.jit(call_stored, donate_argnums=DONATED_ARGS)
+
+    def _save(self, key: str, exported, out_tree) -> None:
+        try:  # serialization needs `flatbuffers`; without it this start still runs
+            payload = pickle.dumps({"exported": bytes(exported.serialize()), "out_tree": out_tree})
+        except Exception as err:  # noqa: BLE001
+            logger.warning("program store: cannot serialize a step variant (%s: %s)",
+                           type(err).__name__, err)
+            return
+        self._store.save(key, payload)
 
     def _load(self, key: str):
         payload = self._store.load(key)
