@@ -51,6 +51,11 @@ class StoredStep:
             return self._fallback(*args, layout=layout, options=options)
         return variant(*args)
 
+    def _cache_size(self) -> int:
+        """Compiled entries, counted as `jax.jit` counts its own (tests watch this)."""
+        return self._fallback._cache_size() + sum(
+            v._cache_size() for v in self._variants.values() if v is not None)
+
     def _build(self, args: tuple, layout, options) -> Callable | None:
         flat, in_tree = jax.tree.flatten(args)
         donated = _donated_positions(args)
