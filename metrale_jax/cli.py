@@ -10,7 +10,9 @@ def _generate(args: argparse.Namespace) -> int:
     from metrale_jax import LLM, SamplingParams
     from metrale_jax.request import RequestError
 
-    llm = LLM(args.model, max_seq_len=args.max_seq_len, dtype=args.dtype)
+    # One prompt reaches two or three step shapes: compiling those on use beats warming
+    # up all ~25.
+    llm = LLM(args.model, max_seq_len=args.max_seq_len, dtype=args.dtype, warmup=False)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,

@@ -21,6 +21,7 @@ ROPE_SCALINGS = ("none", "linear", "llama3")
 KERNEL_BACKENDS = ("auto", "pallas", "xla")
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", *DTYPES)
+LADDERS = ("sparse", "pow2")
 
 
 class ConfigError(ValueError):
@@ -135,7 +136,7 @@ class EngineConfig:
     max_batch_size: int = 64
     max_tokens_per_tick: int = 512  # the ragged batch's token budget
     # Bucket ladders: the padded shapes a step is compiled for (see runner/buckets.py).
-    # Empty tuples mean "powers of two up to the limit".
+    # Empty tuples mean the `ladders` default below.
     token_buckets: tuple[int, ...] = ()
     seq_buckets: tuple[int, ...] = ()
     # Rows of a step that carries prefill chunks (empty: seq_buckets). Decode steps are cheap
@@ -144,6 +145,9 @@ class EngineConfig:
     prefill_seq_buckets: tuple[int, ...] = ()
     query_buckets: tuple[int, ...] = ()
     block_buckets: tuple[int, ...] = ()  # block-table widths; the last must cover max_seq_len
+    # What an empty ladder above becomes: "sparse" (a few sizes: ~20 shapes to warm up at the
+    # server's limits) or "pow2" (every power of two: finer padding, hundreds of shapes).
+    ladders: str = "sparse"
     max_logprobs: int = 20  # top-n logprobs computed on the device for every row
     # Logit-bias entries one request may carry (with min_tokens, its stop token ids and EOS
     # count too): each sequence slot keeps a device table this wide, so no request's bias
@@ -165,6 +169,10 @@ class EngineConfig:
     seed: int = 0
     # Speculative decoding with the model's MTP modules (None: off); see spec/config.py.
     speculative: SpeculativeConfig | None = None
+    # Where each step variant's lowered program is kept so that later starts skip tracing
+    # (runner/stored_step.py): "auto" is inside JAX's persistent compilation cache directory
+    # when one is set, "none" turns it off, anything else is a directory.
+    program_cache: str = "auto"
 
     def __post_init__(self) -> None:
         # A dict or JSON text (vLLM's shape) becomes the validated object.
@@ -186,6 +194,8 @@ class EngineConfig:
         _require(self.num_ssm_snapshots >= 0, "num_ssm_snapshots", "must be >= 0")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
                  f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        _require(self.ladders in LADDERS, "ladders",
+                 f"must be one of {LADDERS}, got {self.ladders!r}")
         _require(self.kernel_backend in KERNEL_BACKENDS, "kernel_backend",
                  f"must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         for name, limit in (("token_buckets", self.max_tokens_per_tick),

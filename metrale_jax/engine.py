@@ -229,14 +229,24 @@ def request_output(request: Request, tokenizer) -> RequestOutput:
 
 
 class LLM:
-    """The offline API: generate() runs the tick loop on the calling thread."""
+    """The offline API: generate() runs the tick loop on the calling thread.
 
-    def __init__(self, model: str | None = None, **kwargs):
+    `warmup=True` (the default) compiles every program serving can run before `LLM()`
+    returns, as `metrale serve` does before it answers (vLLM captures its CUDA graphs at
+    init the same way), with a progress bar on a terminal and periodic log lines elsewhere;
+    with JAX's persistent compilation cache on, later starts load them instead. False
+    compiles each step shape the first time a batch needs it: a quicker `LLM()`, a slower
+    first `generate`.
+    """
+
+    def __init__(self, model: str | None = None, *, warmup: bool = True, **kwargs):
         self.engine = LLMEngine(model, **kwargs)
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.engine_config = self.engine.engine_config
         self.runner = self.engine.runner
+        if warmup:
+            self.runner.warmup()
 
     def generate(self, prompts: PromptInput | Seq[PromptInput],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -85,12 +85,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _sparse(*sizes: int) -> tuple[int, ...]:
-    return tuple(sorted({s for s in sizes if s > 0}))
-
-
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    blocks_per_seq = -(-args.max_seq_len // args.block_size)
     budget = args.max_tokens_per_tick
     kwargs = dict(max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
                   max_tokens_per_tick=budget, block_size=args.block_size,
@@ -100,21 +95,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   kernel_backend=args.kernel_backend, spill_dir=args.spill_dir,
                   enable_prefix_cache=not args.no_prefix_cache,
                   enable_pipeline=not args.no_pipeline, enable_swap=not args.no_swap,
-                  seed=args.seed, kv_cache_dtype=args.kv_cache_dtype)
-    if args.ladders == "sparse":
-        # Decode rows in powers of two (padding a decode step's rows costs every token; its
-        # shapes compile fast); a few sizes elsewhere: ~38 compiled shapes at the defaults.
-        batch = args.max_batch_size
-        kwargs.update(
-            token_buckets=_sparse(min(64, budget), min(128, budget), min(256, budget), budget),
-            seq_buckets=_sparse(*(1 << i for i in range(batch.bit_length())), batch),
-            prefill_seq_buckets=_sparse(min(8, batch), batch),
-            query_buckets=_sparse(1, min(32, budget, args.max_seq_len),
-                                  min(128, budget, args.max_seq_len),
-                                  min(budget, args.max_seq_len)),
-            # One block-table width: attention walks only the blocks the batch's longest
-            # context fills, so a wider table costs nothing but a few bytes of transfer.
-            block_buckets=(blocks_per_seq,))
+                  seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, ladders=args.ladders)
     for name in ("token", "seq", "prefill_seq", "query", "block"):
         ladder = getattr(args, f"{name}_buckets")
         if ladder is not None:

@@ -8,7 +8,7 @@ def test_generate_streams_greedy_text(capsys):
     assert main(["generate", "--max-tokens", "6", "--temperature", "0", "--max-seq-len", "256",
                  "To be"]) == 0
     printed = capsys.readouterr().out
-    expected = LLM(max_seq_len=256).generate(
+    expected = LLM(max_seq_len=256, warmup=False).generate(
         "To be", SamplingParams(temperature=0.0, max_tokens=6))[0].outputs[0].text
     assert printed == expected + "\n"
 

@@ -1,8 +1,9 @@
 """Shape buckets: the one owner of padded step shapes and of the compiled-variant count.
 
 A step is compiled once per `StepShape`: no sampling feature is a shape or a static switch
-(filters, penalties, logit bias and prompt scoring are traced conds). Ladders are powers of
-two up to the engine's limits unless the config names them; the block-table width is one
+(filters, penalties, logit bias and prompt scoring are traced conds). Ladders the config
+leaves empty are a few sizes up to the engine's limits, or powers of two
+(`EngineConfig.ladders`); the block-table width is one
 bucket (`max_blocks_per_seq`) unless named, since attention stops at the longest context.
 Warm-up compiles the shapes in `warmup_shapes()` and the runner's other programs (slot-table
 writes, snapshot copy, swap buckets); `CompileCounter` counts every compiled variant of
@@ -34,6 +35,11 @@ def _powers_of_two(limit: int, start: int = 1) -> tuple[int, ...]:
     return tuple(sorted(set(ladder)))
 
 
+def _sizes(*sizes: int, limit: int) -> tuple[int, ...]:
+    """`sizes` capped at `limit`, and `limit` itself (the ladder must reach it)."""
+    return tuple(sorted({min(s, limit) for s in sizes} | {limit}))
+
+
 def _fit(ladder: tuple[int, ...], n: int, what: str) -> int:
     for b in ladder:
         if b >= n:
@@ -58,14 +64,27 @@ class BucketLadders:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "BucketLadders":
+        """The config's ladders; an empty one gets the `cfg.ladders` default: "sparse" (a
+        few sizes, so warm-up compiles ~20 shapes at the server's limits) or "pow2"."""
         budget = cfg.max_tokens_per_tick
         rows = cfg.seq_buckets or _powers_of_two(cfg.max_batch_size)
+        widest = min(budget, cfg.max_seq_len)
+        if cfg.ladders == "sparse":
+            # Decode rows stay powers of two (padding a decode step's rows costs every
+            # token; its shapes compile fast); prefill steps share a few sizes.
+            tokens = _sizes(64, 128, 256, limit=budget)
+            prefill_rows = _sizes(8, limit=cfg.max_batch_size)
+            query = tuple(sorted({1, *_sizes(32, 128, limit=widest)}))
+        else:
+            tokens = _powers_of_two(budget, start=8 if budget >= 8 else 1)
+            prefill_rows = rows
+            query = _powers_of_two(widest, start=1)
         spec = cfg.speculative
         return cls(
             spec_query=spec.num_speculative_tokens + 1 if spec is not None else 0,
-            tokens=cfg.token_buckets or _powers_of_two(budget, start=8 if budget >= 8 else 1),
-            rows=rows, prefill_rows=cfg.prefill_seq_buckets or rows,
-            query=cfg.query_buckets or _powers_of_two(min(budget, cfg.max_seq_len), start=1),
+            tokens=cfg.token_buckets or tokens, rows=rows,
+            prefill_rows=cfg.prefill_seq_buckets or prefill_rows,
+            query=cfg.query_buckets or query,
             # One width by default: attention's cost follows the real context, not the width.
             blocks=cfg.block_buckets or (cfg.max_blocks_per_seq,),
         )

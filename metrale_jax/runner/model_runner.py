@@ -22,6 +22,7 @@ from metrale_jax.model.caches import (DeviceCaches, allocate_caches, kv_cache_dt
 from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.runner.buckets import BucketLadders, CompileCounter, StepShape
 from metrale_jax.runner.inputs import build_step_batch
+from metrale_jax.runner.program_store import ProgramStore
 from metrale_jax.runner.progress import WarmupProgress
 from metrale_jax.runner.penalties import history_width
 from metrale_jax.runner.sampler import make_sampling_arrays
@@ -49,8 +50,9 @@ class ModelRunner:
         self.engine = engine
         self.model_config = model.cfg
         self.ladders = BucketLadders.from_config(engine)
-        model.use_kernels(engine.kernel_backend)  # before the split: the choice is static
-        self.step = StepRunner(model, counter)
+        ops = model.use_kernels(engine.kernel_backend)  # before the split: the choice is static
+        self.step = StepRunner(model, counter, store=ProgramStore.from_setting(
+            engine.program_cache), store_tag=f"{model.cfg!r} {ops!r}")
         # Speculative decoding drafts with the MTP modules, whose attention layers then get
         # KV pages too (same blocks, more layers); off, they get none.
         spec = engine.speculative

@@ -22,11 +22,14 @@ from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.caches import DeviceCaches
 from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.runner.buckets import CompileCounter, StepShape
+from metrale_jax.runner.program_store import ProgramStore
 from metrale_jax.runner.sampler import (SampleResult, SamplingArrays, logprobs_of, sample,
                                         token_ranks)
 from metrale_jax.runner.slot_tables import SlotTables, record_tokens
 from metrale_jax.runner.spec_step import SpecInputs, SpecResult, verify_and_draft
+from metrale_jax.runner.stored_step import StoredStep
 from metrale_jax.runner.transfer import Layout, pack, unpack
+from pallas_kernels.cpu import build as cpu_build
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,14 +69,18 @@ class StepOutput:
 class StepRunner:
     """Owns the split model and the jitted step; counts compiled variants."""
 
-    def __init__(self, model: HybridLM, counter: CompileCounter | None = None):
+    def __init__(self, model: HybridLM, counter: CompileCounter | None = None,
+                 store: ProgramStore | None = None, store_tag: str = ""):
         graphdef, state = nnx.split(model)
         self.model_config = model.cfg
         self._leaves, treedef = jax.tree.flatten(state)
         self.counter = counter or CompileCounter()
-        self._jitted = jax.jit(
-            functools.partial(_step, graphdef, treedef),
-            static_argnames=("layout", "options"), donate_argnames=("caches", "tables"))
+        step = functools.partial(_step, graphdef, treedef)
+        self._jitted = jax.jit(step, static_argnames=("layout", "options"),
+                               donate_argnames=("caches", "tables"))
+        if store is not None:  # later starts skip tracing: see runner/stored_step.py
+            self._jitted = StoredStep(step, self._jitted, store, store_tag,
+                                      custom_calls=tuple(cpu_build.TARGETS))
 
     @property
     def params(self) -> list[jax.Array]:
