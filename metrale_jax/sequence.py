@@ -157,6 +157,9 @@ class Sequence:
         self.text += self.detok.push(token)
         if p.stop and self._cut_at_stop_string(before):
             return
+        if self.grammar_state is not None and self._advance_grammar(token):
+            self.text += self.detok.flush()
+            return
         if p.max_tokens is not None and len(self.output_ids) >= p.max_tokens:
             self._finish("length", None)
         elif len(self.prompt_ids) + len(self.output_ids) >= self.max_len:
@@ -165,6 +168,18 @@ class Sequence:
             self.text += self.detok.flush()
             if p.stop:
                 self._cut_at_stop_string(before)
+
+    def _advance_grammar(self, token: int) -> bool:
+        """The matcher takes the token; True when that ends the sequence: the grammar is
+        complete ("stop"), or it rejected the token (the mask should make that impossible:
+        the request fails with the reason rather than return text that breaks it)."""
+        error = self.grammar_state.advance(token)
+        if error is not None:
+            self.error = error
+            self._finish("error", None)
+        elif self.grammar_state.done:
+            self._finish("stop", None)
+        return self.finished
 
     def _cut_at_stop_string(self, before: int) -> bool:
         # A stop string may straddle earlier text: search from where it could begin.

@@ -66,6 +66,9 @@ class ScheduledRow:
     seq_id: int = 0                   # the sequence's identity, unique for the engine's life:
                                       # the runner trusts what earlier steps left in a slot's
                                       # device tables only for the same sequence (0: never)
+    # Grammar (structured outputs): [ceil(V/32)] packed int32 bits of the tokens allowed at
+    # the sampled position (bit i of word i // 32 set: token i allowed); None: unconstrained.
+    token_mask: np.ndarray | None = None
 
     @property
     def end(self) -> int:

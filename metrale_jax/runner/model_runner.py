@@ -124,8 +124,9 @@ class ModelRunner:
                 cursor += len(r.tokens)
             targets = flat
         options = StepOptions(num_top=self.engine.max_logprobs)
+        mask = self.step.masks.for_rows([r.token_mask for r in rows], shape.rows)
         out, self.caches, self.tables = self.step(batch, sampling, targets, self.caches,
-                                                  self.tables, options)
+                                                  self.tables, options, mask)
         for leaf in jax.tree.leaves(self._wanted(rows, out)):
             leaf.copy_to_host_async()  # start the read-back while the host plans ahead
         return StepHandle(list(rows), out)

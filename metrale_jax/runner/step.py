@@ -24,6 +24,7 @@ from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.runner.buckets import CompileCounter, StepShape
 from metrale_jax.runner.sampler import SampleResult, SamplingArrays, logprobs_of, sample
 from metrale_jax.runner.slot_tables import SlotTables, record_tokens
+from metrale_jax.runner.token_mask import MaskSource, TokenMask, apply_token_mask
 from metrale_jax.runner.transfer import Layout, pack, unpack
 
 
@@ -63,6 +64,7 @@ class StepRunner:
         self.model_config = model.cfg
         self._leaves, treedef = jax.tree.flatten(state)
         self.counter = counter or CompileCounter()
+        self.masks = MaskSource(model.cfg.vocab_size)
         self._jitted = jax.jit(
             functools.partial(_step, graphdef, treedef),
             static_argnames=("layout", "options"), donate_argnames=("caches", "tables"))
@@ -73,23 +75,27 @@ class StepRunner:
 
     def __call__(self, batch: StepBatch, sampling: SamplingArrays, targets: jax.Array | None,
                  caches: DeviceCaches, tables: SlotTables, options: StepOptions,
+                 mask: TokenMask | None = None,
                  ) -> tuple[StepOutput, DeviceCaches, SlotTables]:
         """Run one step. `tables.future` holds each slot's latest sampled token on the
         device: a negative token id -f in the batch is read from `future[f]`, and every
         row's sampled token is written to `future[its slot]` (the async pipeline's
-        hand-off). Every token of the batch is recorded in its slot's history."""
+        hand-off). Every token of the batch is recorded in its slot's history. `mask`: the
+        rows' grammar token masks (None: no row is constrained)."""
         shape = StepShape(batch.num_tokens, batch.num_rows, batch.query_len,
                           batch.block_tables.shape[1])
         self.counter.record(("step", shape, options))
         if targets is None:  # nothing to score; the same shape keeps the same variant
             targets = np.full((batch.num_tokens,), -1, np.int32)
         buffers, layout = pack((batch, sampling, targets))
-        return self._jitted(self._leaves, jax.device_put(buffers), caches, tables,
+        if mask is None:
+            mask = self.masks.none(batch.num_rows)
+        return self._jitted(self._leaves, jax.device_put(buffers), caches, tables, mask,
                             layout=layout, options=options)
 
 
 def _step(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: DeviceCaches,
-          tables: SlotTables, *, layout: Layout, options: StepOptions,
+          tables: SlotTables, mask: TokenMask, *, layout: Layout, options: StepOptions,
           ) -> tuple[StepOutput, DeviceCaches, SlotTables]:
     batch, sampling, targets = unpack(buffers, layout)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
@@ -102,7 +108,9 @@ def _step(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: Devi
         tables.sampling, history=record_tokens(tables.sampling.history, batch))
     hidden, caches = model(batch, caches)
     last = hidden[batch.sample_index]
-    logits = model.logits(last)
+    # Grammar masks before everything that reads the distribution: sampling, the reported
+    # logprobs and ranks (as vLLM, whose logprobs are those of the masked logits).
+    logits = apply_token_mask(model.logits(last), mask)
     sampled = sample(logits, sampling, slot_sampling, num_top=options.num_top,
                      apply_filters=True, vocab_size=model.cfg.vocab_size)
     prompt = jax.lax.cond(jnp.any(targets >= 0),

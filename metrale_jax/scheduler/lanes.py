@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 
+from metrale_jax.grammar.masks import grammar_mask
 from metrale_jax.scheduler.levers import LeverValues
 from metrale_jax.scheduler.memory import Memory
 from metrale_jax.sequence import Sequence, Status
@@ -62,9 +63,10 @@ def _row(seq: Sequence, chunk: list[int]) -> PackedRow:
     targets = ()
     if seq.prompt_logprobs is not None and start < len(seq.prompt_ids):
         targets = seq.prompt_targets(start, len(chunk))
+    samples = start + len(chunk) == seq.virtual_len
     scheduled = ScheduledRow(chunk, start, seq.block_table, seq.slot, seq.row_sampling(),
-                             targets, seq.uid)
-    return PackedRow(seq, seq.epoch, start + len(chunk) == seq.virtual_len, scheduled)
+                             targets, seq.uid, token_mask=grammar_mask(seq, samples))
+    return PackedRow(seq, seq.epoch, samples, scheduled)
 
 
 def pack_lanes(active: list[Sequence], prefilling: list[Sequence], memory: Memory,
