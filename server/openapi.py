@@ -86,6 +86,33 @@ def _unbuilt_fields() -> dict:
             for name, allowed in P.NOT_YET.items()}
 
 
+def _structured_fields() -> dict:
+    """Structured outputs (server/structured.py): one of these fields per request; whether
+    the schema, regex or grammar compiles is checked by the server (400 naming the field)."""
+    schema = {"anyOf": [{"type": "object"}, BOOL], "description": "a JSON schema"}
+    choice = _arr(STR, minItems=1)
+    grammar = {"type": "string", "pattern": r"\S",
+               "description": "Lark (llguidance's syntax) or GBNF"}
+    regex = {"type": "string", "pattern": r"\S"}
+    fmt = {"anyOf": [
+        _obj({"type": {"const": "text"}}, ("type",)),
+        _obj({"type": {"const": "json_object"}}, ("type",)),
+        _obj({"type": {"const": "json_schema"},
+              "json_schema": _obj({"name": STR, "schema": schema, "strict": _null(BOOL),
+                                   "description": STR}, ("schema",))},
+             ("type", "json_schema"))]}
+    one_of = {"json": {"anyOf": [schema, STR]}, "regex": regex, "choice": choice,
+              "grammar": grammar, "json_object": {"const": True}}
+    return {
+        "response_format": _null(fmt),
+        "structured_outputs": _null(_obj(one_of, additionalProperties=False, minProperties=1,
+                                         maxProperties=1,
+                                         description="exactly one of its keys")),
+        "guided_json": _null({"anyOf": [schema, STR]}), "guided_regex": _null(regex),
+        "guided_choice": _null(choice), "guided_grammar": _null(grammar),
+    }
+
+
 def _sampling_fields(limits: P.Limits) -> dict:
     """The fields /v1/completions and /v1/chat/completions share (protocol.sampling_params)."""
     token = _int(0, limits.vocab_size - 1)
@@ -116,6 +143,7 @@ def _sampling_fields(limits: P.Limits) -> dict:
                                      description="only with stream: true; "
                                                  "continuous_usage_stats needs include_usage")),
         "priority": _null(INT), "user": _null(STR),
+        **_structured_fields(),
         **_unbuilt_fields(),
     }
 
