@@ -120,3 +120,57 @@ async def test_constrained_logprobs_are_json(client):
     assert body["choices"][0]["message"]["content"] == "x"
     assert content[0]["logprob"] == 0.0
     assert all(e["logprob"] == -9999.0 for e in content[0]["top_logprobs"][1:])
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
+        "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+        "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+async def test_tool_choice_returns_tool_calls(oai, llm):
+    model = llm.engine.model_name
+    named = await oai.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER, TIME], max_tokens=40, temperature=0.0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+    required = await oai.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER, TIME], max_tokens=46, temperature=0.0,
+        tool_choice="required")  # the server's test engine has a 64-token context
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for call in choice.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+    for tool_choice in ("none", "auto"):  # answered as text (README: no tool-call format)
+        text = await oai.chat.completions.create(
+            model=model, messages=ASK, tools=[WEATHER], max_tokens=4, temperature=0.0,
+            tool_choice=tool_choice)
+        assert not text.choices[0].message.tool_calls
+        assert isinstance(text.choices[0].message.content, str)
+
+
+async def test_streamed_tool_call_arrives_whole(oai, llm):
+    stream = await oai.chat.completions.create(
+        model=llm.engine.model_name, messages=ASK, tools=[WEATHER], max_tokens=40,
+        temperature=0.0, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    chunks = [c async for c in stream]
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments),
+                        WEATHER["function"]["parameters"])
+    assert chunks[-1].choices[0].finish_reason == "stop"
