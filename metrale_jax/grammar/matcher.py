@@ -2,14 +2,13 @@
 
 The scheduler sees only this object (in `Sequence.grammar_state`): it asks for the mask of
 the next token when it packs a sampling row, and advances it with every committed token.
-The matcher advances only on committed tokens, never on tokens still on the device, so it
-always matches `output_ids`: a preemption by recompute keeps it as it is (the recompute
-reruns the same tokens), and `sync` rebuilds it from the tokens should the two ever differ.
+The matcher advances only on committed tokens (`Sequence.append`), never on tokens still on
+the device, so it always holds exactly `output_ids`: a preemption by recompute keeps it as
+it is (the recompute reruns the same tokens; results of steps dispatched before it are
+dropped unread), and a swap-out never happens to a constrained sequence.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -44,16 +43,3 @@ class GrammarState:
     def done(self) -> bool:
         """The grammar is complete and allows nothing more (the sequence stops here)."""
         return self.matcher.is_stopped()
-
-    def sync(self, output_ids: Sequence[int]) -> str | None:
-        """Make the matcher's tokens `output_ids` again (reset and replay) when they differ."""
-        if self.consumed == len(output_ids):
-            return None
-        self.matcher.reset()
-        self.consumed = 0
-        for token in output_ids:
-            error = self.advance(token)
-            if error is not None:
-                return error
-        return None
-
