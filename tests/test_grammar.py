@@ -118,6 +118,15 @@ def test_token_mask_matches_a_reference_and_skips_unconstrained_rows():
     assert np.isinf(wide[0, 64:]).all() and (wide[0, :64] == 0).all()  # past the bits: banned
 
 
+def test_an_unconstrained_batch_sends_no_mask():
+    from metrale_jax.runner.token_mask import MaskSource
+
+    source = MaskSource(vocab_size=100)
+    assert source.for_rows([None, None], 4) is source.for_rows([None], 4)  # a device constant
+    mask = source.for_rows([None, np.zeros(4, np.int32)], 4)
+    assert np.asarray(mask.on).tolist() == [False, True, False, False]
+
+
 # ---- 100% valid outputs -----------------------------------------------------------------
 
 def _check_all_valid(llm: LLM, temperature: float) -> None:
@@ -156,6 +165,13 @@ def test_json_object_logprobs_and_length(builtin):
     # As vLLM: logprobs are those of the masked distribution; "{" is the only token allowed.
     assert first[out.token_ids[0]].logprob == 0.0
     assert all(e.logprob == -np.inf for t, e in first.items() if t != out.token_ids[0])
+
+
+def test_each_of_n_completions_has_its_own_matcher(builtin):
+    out = builtin.generate(PROMPTS[1], _params({"choice": ["alpha", "beta", "gamma delta"]},
+                                               temperature=1.0, n=4))[0]
+    assert all(c.text in ("alpha", "beta", "gamma delta") and c.finish_reason == "stop"
+               for c in out.outputs)
 
 
 # ---- exactness ---------------------------------------------------------------------------
