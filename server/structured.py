@@ -16,7 +16,7 @@ from typing import Any
 from metrale_jax.grammar.params import FIELD, KINDS, StructuredOutputsParams
 from metrale_jax.request import RequestError
 
-from server.protocol import bad
+from server.protocol import APIError, bad
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}
@@ -53,7 +53,7 @@ def parse_constraint(body: dict) -> Constraint | None:
     try:
         return Constraint(StructuredOutputsParams(**spec), field)
     except RequestError as err:
-        raise bad(field, _without_field(str(err))) from None
+        raise _error(field, err) from None
 
 
 def _is_text(value: Any) -> bool:
@@ -76,10 +76,14 @@ def _response_format(value: Any) -> dict:
                                  f"{json.dumps(kind)}")
 
 
-def _without_field(message: str) -> str:
-    """"structured_outputs.json: x" -> "json: x": the client's own field goes in front."""
-    return message[len(FIELD) + 1:].lstrip(". ") if message.startswith(FIELD) else message
+def _error(field: str, err: RequestError) -> APIError:
+    """The engine's error under the field the client wrote: "structured_outputs.regex: x"
+    stays as it is; for guided_regex it reads "guided_regex: x"."""
+    message = str(err)
+    if field == FIELD or not message.startswith(FIELD):
+        return APIError(400, message, param=field)
+    return bad(field, message.split(":", 1)[1].strip())
 
 
-def compile_error(constraint: Constraint, err: RequestError):
-    return bad(constraint.field, _without_field(str(err)))
+def compile_error(constraint: Constraint, err: RequestError) -> APIError:
+    return _error(constraint.field, err)
