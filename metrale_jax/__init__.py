@@ -14,6 +14,7 @@ _EXPORTS = {
     "LLM": "metrale_jax.engine",
     "SamplingParams": "metrale_jax.request",
     "RequestError": "metrale_jax.request",
+    "StructuredOutputsParams": "metrale_jax.grammar",
     "RequestOutput": "metrale_jax.outputs",
     "CompletionOutput": "metrale_jax.outputs",
     "Logprob": "metrale_jax.outputs",

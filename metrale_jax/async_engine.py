@@ -193,6 +193,11 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a request's structured-output constraint (blocking; any thread but the
+        engine's). Raises RequestError when it does not compile."""
+        self.engine.compile_grammar(params)
+
     # ---- the tokenizer ----------------------------------------------------------------------
 
     def prompt_ids(self, prompt: PromptInput) -> tuple[str | None, list[int]]:

@@ -12,6 +12,7 @@ import logging
 import pathlib
 import random
 import shutil
+import threading
 from collections.abc import Sequence as Seq
 
 from metrale_jax.cache.spill import SpillStore
@@ -94,6 +95,8 @@ class LLMEngine:
             check_every_tick=check_every_tick)
         self._ids = itertools.count()
         self._seeds = random.Random(engine.seed)
+        self._grammar = None                 # GrammarCompiler, built on first use
+        self._grammar_lock = threading.Lock()
 
     def _spill_dir(self) -> str:
         if self.engine_config.spill_dir is not None:
@@ -166,6 +169,7 @@ class LLMEngine:
                       max_tokens_must_fit=max_tokens_must_fit)
         params.check_against(self.model_config.vocab_size, self.engine_config.max_logprobs,
                              self.engine_config.max_logit_bias, self.tokenizer.eos_token_id)
+        grammar = self.compile_grammar(params)
         request_id = request_id or str(next(self._ids))
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         seqs = [Sequence(
@@ -173,9 +177,23 @@ class LLMEngine:
             seed=(base_seed + 0x9E3779B1 * i) & 0xFFFFFFFF,
             detok=self.tokenizer.incremental(ids, skip_special_tokens=params.skip_special_tokens),
             eos_token_id=self.tokenizer.eos_token_id, max_len=max_len, priority=priority,
-            want_prompt_logprobs=(i == 0 and params.prompt_logprobs is not None))
+            want_prompt_logprobs=(i == 0 and params.prompt_logprobs is not None),
+            grammar_state=grammar.new_state(params.structured_outputs) if grammar else None)
             for i in range(params.n)]
         return Request(request_id, seqs, text)
+
+    def compile_grammar(self, params: SamplingParams):
+        """Compile the request's constraint on the calling thread (cached by its text);
+        the compiler, or None when the request has no constraint. Raises RequestError."""
+        if params.structured_outputs is None:
+            return None
+        with self._grammar_lock:
+            if self._grammar is None:
+                from metrale_jax.grammar.compiler import GrammarCompiler
+
+                self._grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        self._grammar.compile(params.structured_outputs)
+        return self._grammar
 
     def submit(self, request: Request) -> None:
         if request.request_id in self.core.requests:

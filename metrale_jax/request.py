@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from metrale_jax.grammar.params import StructuredOutputsParams
     from metrale_jax.sequence import Sequence as Seq
 
 
@@ -57,6 +58,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per output token (plus the sampled one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Constrain the output to a JSON schema, regex, choice or grammar (metrale_jax.grammar).
+    structured_outputs: "StructuredOutputsParams | None" = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -103,6 +106,20 @@ class SamplingParams:
                 bad(name, f"must be a non-negative integer, got {value!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
+        self._check_structured_outputs()
+
+    def _check_structured_outputs(self) -> None:
+        from metrale_jax.grammar.params import StructuredOutputsParams  # request <- grammar
+
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**so)
+            except TypeError as err:  # an unknown key
+                raise RequestError(f"structured_outputs: {err}") from None
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise RequestError(f"structured_outputs: expected StructuredOutputsParams, got "
+                               f"{type(so).__name__}")
 
     def check_against(self, vocab_size: int, max_logprobs: int, max_logit_bias: int | None = None,
                       eos_token_id: int | None = None) -> None:

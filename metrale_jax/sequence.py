@@ -127,9 +127,11 @@ class Sequence:
         """The drafts this sequence's next decode row carries (a speculative tick): none
         where speculation could change what it samples or overshoot a limit. Penalties and
         a pending min_tokens change the distribution token by token, so those rows decode
-        one token at a time; drafts never run past max_tokens or max_len."""
+        one token at a time, and so does a grammar-constrained sequence (its mask is known
+        for the next token only); drafts never run past max_tokens or max_len."""
         p = self.params
         if (self.drafts_at != len(self.output_ids) or self.inflight
+                or self.grammar_state is not None
                 or self.num_computed != self.virtual_len - 1
                 or self.row_sampling_uses_penalties or self.num_sampled < p.min_tokens):
             return []
@@ -182,6 +184,9 @@ class Sequence:
         self.text += self.detok.push(token)
         if p.stop and self._cut_at_stop_string(before):
             return
+        if self.grammar_state is not None and self._advance_grammar(token):
+            self.text += self.detok.flush()
+            return
         if p.max_tokens is not None and len(self.output_ids) >= p.max_tokens:
             self._finish("length", None)
         elif len(self.prompt_ids) + len(self.output_ids) >= self.max_len:
@@ -190,6 +195,18 @@ class Sequence:
             self.text += self.detok.flush()
             if p.stop:
                 self._cut_at_stop_string(before)
+
+    def _advance_grammar(self, token: int) -> bool:
+        """The matcher takes the token; True when that ends the sequence: the grammar is
+        complete ("stop"), or it rejected the token (the mask should make that impossible:
+        the request fails with the reason rather than return text that breaks it)."""
+        error = self.grammar_state.advance(token)
+        if error is not None:
+            self.error = error
+            self._finish("error", None)
+        elif self.grammar_state.done:
+            self._finish("stop", None)
+        return self.finished
 
     def _cut_at_stop_string(self, before: int) -> bool:
         # A stop string may straddle earlier text: search from where it could begin.

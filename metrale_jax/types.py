@@ -71,6 +71,9 @@ class ScheduledRow:
     # after a chunk that does not reach the sequence's end (the MTP modules read them).
     num_drafts: int = 0
     follow: Sequence[int] = ()
+    # Grammar (structured outputs): [ceil(V/32)] packed int32 bits of the tokens allowed at
+    # the sampled position (bit i of word i // 32 set: token i allowed); None: unconstrained.
+    token_mask: np.ndarray | None = None
 
     @property
     def end(self) -> int:

@@ -21,6 +21,7 @@ from metrale_jax.request import RequestError
 from server.metrics import RequestTimer
 from server.protocol import APIError, ParsedRequest, from_request_error, score_only_delta
 from server.state import EngineDead, ServerState
+from server.structured import compile_error
 
 
 class Generation:
@@ -48,6 +49,7 @@ class Generation:
             except RequestError as err:
                 raise from_request_error(err) from None
             plans.append((text, ids, params))
+        await self._compile_constraint()
         state.require_serving()
         state.admit(self.num_seqs)
         self._admitted = True
@@ -70,6 +72,17 @@ class Generation:
         except BaseException:
             await self.close()
             raise
+
+    async def _compile_constraint(self) -> None:
+        """Compile the request's grammar on a worker thread (cached by its text): the
+        event loop and the engine thread never wait for a compile."""
+        constraint = self.parsed.constraint
+        if constraint is None:
+            return
+        try:
+            await asyncio.to_thread(self.state.llm.compile_grammar, self.parsed.params)
+        except RequestError as err:
+            raise compile_error(constraint, err) from None
 
     @property
     def prompt_tokens(self) -> int:

@@ -208,13 +208,25 @@ def _chat_logprobs(state, parsed: ParsedRequest, tokens, logprobs) -> dict | Non
                                             state.llm.token_text)}
 
 
+def _chat_message(p: ParsedRequest, c: Choice, finish: str | None) -> tuple[dict, str | None]:
+    """The assistant message and its finish reason: text, or tool calls (server.tools)."""
+    if p.tool_calling is None:
+        return {"role": "assistant", "content": c.text, "tool_calls": []}, finish
+    calls = p.tool_calling.calls(c.text) if finish is not None else []
+    if calls and finish == "stop":
+        finish = p.tool_calling.finish_reason
+    return {"role": "assistant", "content": None if calls else c.text,
+            "tool_calls": calls}, finish
+
+
 def _chat_body(state, gen: Generation, fold: Fold) -> dict:
     p = gen.parsed
     choices = []
     for _, c in fold.ordered():
         finish, stop_reason = finish_fields(c, p.end_of_turn_ids)
+        message, finish = _chat_message(p, c, finish)
         choices.append({"index": c.index,
-                        "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+                        "message": message,
                         "logprobs": _chat_logprobs(state, p, c.token_ids, c.logprobs),
                         "finish_reason": finish, "stop_reason": stop_reason})
     return {"id": gen.request_id, "object": "chat.completion", "created": now(),
@@ -245,7 +257,14 @@ async def _stream_chat(state, gen: Generation, fold: Fold, deltas, sse: SSEStrea
             if delta.finish_reason else (None, None)
         if not delta.text and finish is None and not delta.token_ids:
             continue
-        await sse.send(chunk(choice.index, {"content": delta.text} if delta.text else {},
+        content = {"content": delta.text} if delta.text else {}
+        if p.tool_calling is not None:  # the calls go out whole, once the reply is complete
+            message, finish = _chat_message(p, choice, finish)
+            content = {} if finish is None else (
+                {"tool_calls": [{"index": i, **call}
+                                for i, call in enumerate(message["tool_calls"])]}
+                if message["tool_calls"] else {"content": choice.text})
+        await sse.send(chunk(choice.index, content,
                              _chat_logprobs(state, p, delta.token_ids, delta.logprobs or []),
                              finish, stop_reason))
     if p.include_usage:

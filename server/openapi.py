@@ -26,7 +26,7 @@ from server.state import ServerState
 
 OPENAPI_VERSION = "3.1.0"
 NULL = {"type": "null"}
-FINISH_REASONS = ["stop", "length", "abort", "error", None]
+FINISH_REASONS = ["stop", "length", "tool_calls", "abort", "error", None]
 
 
 # ---- schema helpers ---------------------------------------------------------------------------
@@ -86,6 +86,52 @@ def _unbuilt_fields() -> dict:
             for name, allowed in P.NOT_YET.items()}
 
 
+def _chat_only_fields() -> dict:
+    """On /v1/completions, the chat's tool fields pass only when they ask for nothing."""
+    return {name: {"enum": [None, *allowed], "description": "only /v1/chat/completions takes "
+                   "tools: only null or a value that asks for nothing is accepted here"}
+            for name, allowed in P.CHAT_ONLY.items()}
+
+
+def _tool_fields() -> dict:
+    """Chat tool calls (server/tools.py): "required" or a named function constrains the
+    reply to the tool's parameters schema; "auto" is answered as text."""
+    function = _obj({"name": {"type": "string", "minLength": 1}, "description": STR,
+                     "parameters": {"type": "object"}}, ("name",))
+    tool = _obj({"type": {"const": "function"}, "function": function}, ("type", "function"))
+    named = _obj({"type": {"const": "function"}, "function": _obj({"name": STR}, ("name",))},
+                 ("type", "function"))
+    return {"tools": _null(_arr(tool)),
+            "tool_choice": _null({"anyOf": [{"enum": ["none", "auto", "required"]}, named]})}
+
+
+def _structured_fields() -> dict:
+    """Structured outputs (server/structured.py): one of these fields per request; whether
+    the schema, regex or grammar compiles is checked by the server (400 naming the field)."""
+    schema = {"anyOf": [{"type": "object"}, BOOL], "description": "a JSON schema"}
+    choice = _arr(STR, minItems=1)
+    grammar = {"type": "string", "pattern": r"\S",
+               "description": "Lark (llguidance's syntax) or GBNF"}
+    regex = {"type": "string", "pattern": r"\S"}
+    fmt = {"anyOf": [
+        _obj({"type": {"const": "text"}}, ("type",)),
+        _obj({"type": {"const": "json_object"}}, ("type",)),
+        _obj({"type": {"const": "json_schema"},
+              "json_schema": _obj({"name": STR, "schema": schema, "strict": _null(BOOL),
+                                   "description": STR}, ("schema",))},
+             ("type", "json_schema"))]}
+    one_of = {"json": {"anyOf": [schema, STR]}, "regex": regex, "choice": choice,
+              "grammar": grammar, "json_object": {"const": True}}
+    return {
+        "response_format": _null(fmt),
+        "structured_outputs": _null(_obj(one_of, additionalProperties=False, minProperties=1,
+                                         maxProperties=1,
+                                         description="exactly one of its keys")),
+        "guided_json": _null({"anyOf": [schema, STR]}), "guided_regex": _null(regex),
+        "guided_choice": _null(choice), "guided_grammar": _null(grammar),
+    }
+
+
 def _sampling_fields(limits: P.Limits) -> dict:
     """The fields /v1/completions and /v1/chat/completions share (protocol.sampling_params)."""
     token = _int(0, limits.vocab_size - 1)
@@ -116,6 +162,7 @@ def _sampling_fields(limits: P.Limits) -> dict:
                                      description="only with stream: true; "
                                                  "continuous_usage_stats needs include_usage")),
         "priority": _null(INT), "user": _null(STR),
+        **_structured_fields(),
         **_unbuilt_fields(),
     }
 
@@ -136,6 +183,7 @@ def _completion_request(limits: P.Limits) -> dict:
                                  "echo: true (scores the prompt, generates nothing)")),
         "echo": _null(BOOL),
         "logprobs": _null(_int(0, limits.max_logprobs)),
+        **_chat_only_fields(),
     }, ("prompt",))
 
 
@@ -157,6 +205,7 @@ def _chat_request(limits: P.Limits) -> dict:
         "top_logprobs": _null(_int(0, min(20, limits.max_logprobs),
                                    "needs logprobs: true")),
         "add_generation_prompt": _null(BOOL),
+        **_tool_fields(),
         "chat_template_kwargs": _null({"type": "object", "propertyNames": {
             "not": {"enum": list(P.TEMPLATE_OWNED)}}}),
     }, ("messages",))
@@ -186,6 +235,9 @@ def _response_schemas() -> dict:
                                           "bytes": _arr(_int(0, 255)),
                                           "top_logprobs": _arr(top)}))})
     finish = {"enum": FINISH_REASONS}
+    tool_call = _obj({"id": STR, "type": {"const": "function"},
+                      "function": _obj({"name": STR, "arguments": STR},
+                                       ("name", "arguments"))}, ("id", "type", "function"))
     stop_reason = {"anyOf": [STR, INT, NULL]}
     head = {"id": STR, "created": INT, "model": STR}
     keys = ("id", "object", "created", "model", "choices")
@@ -212,7 +264,8 @@ def _response_schemas() -> dict:
                                 "choices": _arr(_obj({
                                     **choice, "logprobs": _null(chat_lp),
                                     "message": _obj({"role": {"const": "assistant"},
-                                                     "content": _null(STR)},
+                                                     "content": _null(STR),
+                                                     "tool_calls": _arr(tool_call)},
                                                     ("role", "content"))},
                                     ("index", "message", "finish_reason"))),
                                 "usage": _ref("Usage"),
@@ -221,7 +274,11 @@ def _response_schemas() -> dict:
                                      "choices": _arr(_obj({
                                          **choice, "logprobs": _null(chat_lp),
                                          "delta": _obj({"role": {"const": "assistant"},
-                                                        "content": STR})}, ("index", "delta"))),
+                                                        "content": STR,
+                                                        "tool_calls": _arr(_obj({
+                                                            "index": _int(0),
+                                                            **tool_call["properties"]}))})},
+                                         ("index", "delta"))),
                                      "usage": _null(_ref("Usage"))}, keys),
         "ChatMessage": _message_schema(),
     }

@@ -181,6 +181,10 @@ class ParsedRequest:
     # max_tokens 0 with echo (prompt scoring): the engine samples its one token, which the
     # server drops (see `score_only_delta`), so the answer is the prompt and its logprobs.
     score_only: bool = False
+    # The structured-output constraint and the body field it came from (server.structured).
+    constraint: Any = None
+    # Chat tool calls: how the constrained reply becomes `tool_calls` (server.tools).
+    tool_calling: Any = None
 
     def params_for(self, prompt_len: int, limits: "Limits") -> SamplingParams:
         """The sampling parameters for one prompt (the engine checks them against the
@@ -275,16 +279,13 @@ SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
 # call), so each is refused with a 400 that says so. Only null or one of the values listed
 # (each asks for nothing) passes; the OpenAPI document is built from the same table.
 NOT_YET: dict[str, tuple] = {
-    "response_format": ({"type": "text"},),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "structured_outputs": (),
+}
+# Tool calling is a chat feature (server/tools.py): /v1/completions refuses these the same way.
+CHAT_ONLY: dict[str, tuple] = {
+    "tools": ([],),
+    "tool_choice": ("none",),
 }
 
 
@@ -296,8 +297,34 @@ def _asks_nothing(value: Any, allowed: tuple) -> bool:
 def refuse_unbuilt(body: dict) -> None:
     for name, allowed in NOT_YET.items():
         if name in body and not _asks_nothing(body[name], allowed):
-            raise bad(name, "is not supported by this server yet (structured outputs and "
-                            "tool calling are not built); remove it to get plain text")
+            raise bad(name, "is not supported by this server (the legacy function calling; "
+                            "use tools and tool_choice on /v1/chat/completions)")
+
+
+def refuse_chat_only(body: dict) -> None:
+    for name, allowed in CHAT_ONLY.items():
+        if name in body and not _asks_nothing(body[name], allowed):
+            raise bad(name, "is only taken by /v1/chat/completions")
+
+
+def parse_constraint(body: dict):
+    from server.structured import parse_constraint as parse  # it builds on this module
+
+    return parse(body)
+
+
+def _chat_constraint(body: dict):
+    """A chat's constraint: a structured-output field, or the one its tool choice makes."""
+    from server.structured import Constraint
+    from server.tools import parse_tools  # both build on this module
+
+    constraint, tool_calling = parse_constraint(body), parse_tools(body)
+    if tool_calling is None:
+        return constraint, None
+    if constraint is not None:
+        raise bad("tool_choice", f"a required or named tool call cannot be combined with "
+                                 f"{constraint.field}")
+    return Constraint(tool_calling.constraint, "tools"), tool_calling
 
 
 def _stop_token_ids(body: dict, vocab_size: int) -> list[int]:
@@ -310,7 +337,7 @@ def _stop_token_ids(body: dict, vocab_size: int) -> list[int]:
 
 
 def sampling_params(body: dict, limits: Limits, *, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None) -> SamplingParams:
+                    prompt_logprobs: int | None, constraint=None) -> SamplingParams:
     """The fields both endpoints share, each type-checked before SamplingParams sees it."""
     # A top_k past the vocabulary keeps every token, as the vocabulary size does; cut to it,
     # the value also fits the device's int32 (2**31 and up failed the whole step).
@@ -335,6 +362,7 @@ def sampling_params(body: dict, limits: Limits, *, max_tokens: int | None, logpr
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+            structured_outputs=constraint.params if constraint is not None else None,
         )
     except RequestError as err:
         raise from_request_error(err) from None
@@ -382,6 +410,7 @@ def _prompts(body: dict, limits: Limits) -> list:
 def parse_completion(body: dict, limits: Limits) -> ParsedRequest:
     check_model(body, limits)
     refuse_unbuilt(body)
+    refuse_chat_only(body)
     prompts = _prompts(body, limits)
     stream = get_bool(body, "stream")
     echo = get_bool(body, "echo")
@@ -394,9 +423,11 @@ def parse_completion(body: dict, limits: Limits) -> ParsedRequest:
     if score_only and not echo:
         raise bad("max_tokens", "0 generates nothing: it only scores the prompt, which needs "
                                 "echo: true; ask for at least 1 token otherwise")
+    constraint = parse_constraint(body)
     # No max_tokens: 16 as OpenAI, cut to the room left after each prompt (params_for).
     params = sampling_params(body, limits, max_tokens=1 if score_only else max_tokens,
-                             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                             constraint=constraint)
     if score_only and params.min_tokens:
         raise bad("min_tokens", f"must be in [0, max_tokens], got {params.min_tokens}")
     get_str(body, "user")
@@ -404,7 +435,8 @@ def parse_completion(body: dict, limits: Limits) -> ParsedRequest:
     return ParsedRequest(prompts, params, stream, include_usage, echo,
                          get_int(body, "priority", 0), None,
                          default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
-                         continuous_usage=continuous, score_only=score_only)
+                         continuous_usage=continuous, score_only=score_only,
+                         constraint=constraint)
 
 
 def score_only_delta(delta: StreamDelta) -> StreamDelta:
@@ -466,9 +498,11 @@ def parse_chat(body: dict, limits: Limits) -> tuple[ParsedRequest, list[dict], d
         raise bad("top_logprobs", "requires logprobs to be true")
     logprobs = (top or 0) if want else None
     prompt_logprobs = _logprob_count(body, "prompt_logprobs", limits)
+    constraint, tool_calling = _chat_constraint(body)
     params = sampling_params(body, limits,
                              max_tokens=_max_tokens(body, "max_completion_tokens", "max_tokens"),
-                             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                             constraint=constraint)
     get_str(body, "user")
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
@@ -479,7 +513,10 @@ def parse_chat(body: dict, limits: Limits) -> tuple[ParsedRequest, list[dict], d
                                           f"not here (keys it cannot take: {TEMPLATE_OWNED})")
     options = {"add_generation_prompt": get_bool(body, "add_generation_prompt", True),
                **template_kwargs}
+    if body.get("tools") and body.get("tool_choice") != "none":
+        options.setdefault("tools", body["tools"])  # as transformers passes them
     include_usage, continuous = _stream_options(body, stream)
     parsed = ParsedRequest([], params, stream, include_usage, False,
-                           get_int(body, "priority", 0), logprobs, continuous_usage=continuous)
+                           get_int(body, "priority", 0), logprobs, continuous_usage=continuous,
+                           constraint=constraint, tool_calling=tool_calling)
     return parsed, messages, options

@@ -31,6 +31,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+# JSON has no -Infinity: a token a grammar rules out (logprob -inf) is reported as vLLM's
+# server reports it.
+MIN_LOGPROB = -9999.0
+
+
+def _lp(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
 def _token_text(entries: PositionLogprobs, token: int, token_text: TokenText) -> str:
     entry = entries.get(token)
     if entry is not None and entry.decoded_token is not None:
@@ -51,9 +60,9 @@ class CompletionLogprobs:
         text = _token_text(entries or {}, token, token_text)
         self.tokens.append(text)
         chosen = (entries or {}).get(token)
-        self.token_logprobs.append(chosen.logprob if chosen else None)
+        self.token_logprobs.append(_lp(chosen.logprob) if chosen else None)
         self.top_logprobs.append(
-            {_token_text(entries, t, token_text): e.logprob
+            {_token_text(entries, t, token_text): _lp(e.logprob)
              for t, e in sorted(entries.items(), key=lambda kv: kv[1].rank)}
             if entries else None)
         self.text_offset.append(self.offset)
@@ -72,9 +81,10 @@ def chat_logprob_entries(tokens: list[int], logprobs: list[PositionLogprobs], to
         chosen = entries.get(token)
         ranked = sorted(entries.items(), key=lambda kv: kv[1].rank)[:top]
         out.append({
-            "token": text, "logprob": chosen.logprob if chosen else None,
+            "token": text, "logprob": _lp(chosen.logprob) if chosen else None,
             "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [{"token": _token_text(entries, t, token_text), "logprob": e.logprob,
+            "top_logprobs": [{"token": _token_text(entries, t, token_text),
+                              "logprob": _lp(e.logprob),
                               "bytes": list(_token_text(entries, t, token_text).encode("utf-8"))}
                              for t, e in ranked]})
     return out

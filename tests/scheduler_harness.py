@@ -5,6 +5,8 @@ from __future__ import annotations
 import pathlib
 import tempfile
 
+import numpy as np
+
 from metrale_jax.cache.spill import SpillStore
 from metrale_jax.default_model import ASSET_DIR
 from metrale_jax.request import Request, SamplingParams
@@ -94,3 +96,28 @@ def assert_accounted(core: SchedulerCore) -> None:
     assert not (core.active or core.prefilling or core.swapped or core.preempted)
     if core.spill is not None:
         assert core.spill.keys() == []
+
+
+class TrackingGrammar:
+    """A grammar state that allows every token and keeps the tokens it was given: the
+    scheduler's grammar rules tested on the fake runner, without llguidance. `done_after`:
+    the grammar completes after that many tokens; `reject`: a token it refuses."""
+
+    def __init__(self, done_after: int | None = None, reject: int | None = None):
+        self.tokens: list[int] = []
+        self.done_after, self.reject = done_after, reject
+        self.masks_asked = 0
+
+    def next_mask(self):
+        self.masks_asked += 1
+        return np.full(1, -1, np.int32)
+
+    def advance(self, token: int) -> str | None:
+        if token == self.reject:
+            return f"rejected {token}"
+        self.tokens.append(token)
+        return None
+
+    @property
+    def done(self) -> bool:
+        return self.done_after is not None and len(self.tokens) >= self.done_after

@@ -15,7 +15,7 @@ import random
 import jax
 import pytest
 
-from metrale_jax import LLM, SamplingParams
+from metrale_jax import LLM, SamplingParams, StructuredOutputsParams
 from tests.hf_models import save_tiny_llama
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -78,7 +78,17 @@ def random_mix(seed: int, vocab: int, n: int) -> tuple[list[dict], list[Sampling
         ids = head + [rng.randrange(3, vocab) for _ in range(length - len(head))]
         prompts.append({"prompt_token_ids": ids})
         params.append(_params(rng, vocab, length))
+    # Some requests grammar-constrained (masks on the device), drawn from a stream of their
+    # own so the rest of the mix stays as it was.
+    grammar_rng = random.Random(seed + 1000)
+    for p in params:
+        if grammar_rng.random() < 0.15:
+            p.structured_outputs = StructuredOutputsParams(**grammar_rng.choice(GRAMMARS))
     return prompts, params
+
+
+GRAMMARS = [{"regex": "[a-z]{2,5}"}, {"choice": ["yes", "no"]},
+            {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}]
 
 
 def _drive_without_compiling(llm: LLM, seed: int, n: int = NUM_REQUESTS,

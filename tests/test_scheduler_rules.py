@@ -14,7 +14,8 @@ from metrale_jax.scheduler.levers import LeverError
 from metrale_jax.scheduler.state import Rotation
 from metrale_jax.sequence import Status
 from tests.fake_runner import reference_continuation
-from tests.scheduler_harness import assert_accounted, drive, make_core, make_request, run
+from tests.scheduler_harness import (TrackingGrammar, assert_accounted, drive, make_core,
+                                     make_request, run)
 
 P1 = list(range(1, 14))   # 13 tokens
 P2 = list(range(20, 27))  # 7 tokens
@@ -135,7 +136,7 @@ def _admit_residents(core):
 def test_victim_has_most_blocks_and_is_never_grammar_constrained():
     core = _crowded_core()
     long_grammar, mid, short = reqs = _admit_residents(core)
-    long_grammar.sequences[0].grammar_state = object()
+    long_grammar.sequences[0].grammar_state = TrackingGrammar()
     newcomer = _submit_newcomer(core)
     _tick_until(core, lambda: core.swapped)
     assert [s.request_id for s in core.swapped] == [mid.request_id]

@@ -142,9 +142,10 @@ class ModelRunner:
                 cursor += len(r.tokens)
             targets = flat
         spec = spec_inputs(rows, shape.rows, self.spec_depth) if speculative else None
+        mask = self.step.masks.for_rows([r.token_mask for r in rows], shape.rows)
         out, self.caches, self.tables = self.step(batch, sampling, targets, self.caches,
                                                   self.tables, self._options(speculative),
-                                                  spec)
+                                                  spec, mask)
         for leaf in jax.tree.leaves(self._wanted(rows, out)):
             leaf.copy_to_host_async()  # start the read-back while the host plans ahead
         return StepHandle(list(rows), out, speculative)

@@ -33,6 +33,7 @@ from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.runner.sampler import (SampleResult, SamplingArrays, raw_logprobs, row_keys,
                                         target_logits, token_ranks)
 from metrale_jax.runner.penalties import SamplingTables
+from metrale_jax.runner.token_mask import TokenMask, apply_token_mask
 from pallas_kernels.backend import KernelOps
 from pallas_kernels.scatter import set_rows
 
@@ -54,8 +55,8 @@ class SpecResult:
 
 
 def verify_and_draft(model: HybridLM, batch: StepBatch, sampling: SamplingArrays,
-                     tables: SamplingTables, spec: SpecInputs, caches: DeviceCaches, *,
-                     depth: int, num_top: int,
+                     tables: SamplingTables, spec: SpecInputs, caches: DeviceCaches,
+                     mask: TokenMask, *, depth: int, num_top: int,
                      ) -> tuple[jax.Array, SampleResult, jax.Array, SpecResult, DeviceCaches]:
     """Inside the jitted step. Returns the backbone's hidden states [T, D], the emitted
     tokens as a flat [S * (k+1)] SampleResult (row s, position j at s * (k+1) + j; -1 past
@@ -68,7 +69,11 @@ def verify_and_draft(model: HybridLM, batch: StepBatch, sampling: SamplingArrays
     first = batch.sample_index - spec.num_drafts
     cols = jnp.arange(k1, dtype=jnp.int32)
     index = jnp.minimum(first[:, None] + cols[None, :], batch.sample_index[:, None])  # [S, k+1]
-    logits = model.logits(hidden[index.reshape(-1)])  # [S*(k+1), V]
+    # A grammar-constrained row carries no drafts (the scheduler's rule), so its mask,
+    # repeated over the positions, only ever decides its first.
+    per_position_mask = jax.tree.map(lambda a: jnp.repeat(a, k1, axis=0), mask)
+    logits = apply_token_mask(model.logits(hidden[index.reshape(-1)]),
+                              per_position_mask)  # [S*(k+1), V]
     draft_in = jnp.where(cols[None, :depth] < spec.num_drafts[:, None],
                          batch.token_ids[jnp.minimum(first[:, None] + 1 + cols[None, :depth],
                                                      batch.num_tokens - 1)], -1)  # [S, k]

@@ -28,6 +28,7 @@ from metrale_jax.runner.sampler import (SampleResult, SamplingArrays, logprobs_o
 from metrale_jax.runner.slot_tables import SlotTables, record_tokens
 from metrale_jax.runner.spec_step import SpecInputs, SpecResult, verify_and_draft
 from metrale_jax.runner.stored_step import StoredStep
+from metrale_jax.runner.token_mask import MaskSource, TokenMask, apply_token_mask
 from metrale_jax.runner.transfer import Layout, pack, unpack
 from pallas_kernels.cpu import build as cpu_build
 
@@ -75,6 +76,7 @@ class StepRunner:
         self.model_config = model.cfg
         self._leaves, treedef = jax.tree.flatten(state)
         self.counter = counter or CompileCounter()
+        self.masks = MaskSource(model.cfg.vocab_size)
         step = functools.partial(_step, graphdef, treedef)
         self._jitted = jax.jit(step, static_argnames=("layout", "options"),
                                donate_argnames=("caches", "tables"))
@@ -88,13 +90,14 @@ class StepRunner:
 
     def __call__(self, batch: StepBatch, sampling: SamplingArrays, targets: jax.Array | None,
                  caches: DeviceCaches, tables: SlotTables, options: StepOptions,
-                 spec: SpecInputs | None = None,
+                 spec: SpecInputs | None = None, mask: TokenMask | None = None,
                  ) -> tuple[StepOutput, DeviceCaches, SlotTables]:
         """Run one step. `tables.future` holds each slot's latest sampled token on the
         device: a negative token id -f in the batch is read from `future[f]`, and every
         row's sampled token is written to `future[its slot]` (the async pipeline's
         hand-off). Every token of the batch is recorded in its slot's history. With
-        `options.spec_depth` > 0, `spec` says where each row's drafts are."""
+        `options.spec_depth` > 0, `spec` says where each row's drafts are. `mask`: the rows'
+        grammar token masks (None: no row is constrained)."""
         shape = StepShape(batch.num_tokens, batch.num_rows, batch.query_len,
                           batch.block_tables.shape[1])
         self.counter.record(("step", shape, options))
@@ -103,12 +106,14 @@ class StepRunner:
         if (spec is not None) != (options.spec_depth > 0):
             raise ValueError("spec inputs go with a speculative step (spec_depth > 0) only")
         buffers, layout = pack((batch, sampling, targets, spec))
-        return self._jitted(self._leaves, jax.device_put(buffers), caches, tables,
+        if mask is None:
+            mask = self.masks.none(batch.num_rows)
+        return self._jitted(self._leaves, jax.device_put(buffers), caches, tables, mask,
                             layout=layout, options=options)
 
 
 def _step(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: DeviceCaches,
-          tables: SlotTables, *, layout: Layout, options: StepOptions,
+          tables: SlotTables, mask: TokenMask, *, layout: Layout, options: StepOptions,
           ) -> tuple[StepOutput, DeviceCaches, SlotTables]:
     batch, sampling, targets, spec = unpack(buffers, layout)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
@@ -122,14 +127,17 @@ def _step(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: Devi
     result = None
     if options.spec_depth:
         hidden, sampled, ranks, result, caches = verify_and_draft(
-            model, batch, sampling, slot_sampling, spec, caches, depth=options.spec_depth,
-            num_top=options.num_top)
+            model, batch, sampling, slot_sampling, spec, caches, mask,
+            depth=options.spec_depth, num_top=options.num_top)
         # The future cell gets each row's last emitted token.
         newest = jnp.take_along_axis(sampled.tokens.reshape(batch.num_rows, -1),
                                      result.accepted[:, None], axis=1)[:, 0]
     else:
         hidden, caches = model(batch, caches)
-        logits = model.logits(hidden[batch.sample_index])
+        # Grammar masks before everything that reads the distribution: sampling, the
+        # reported logprobs and ranks (as vLLM, whose logprobs are those of the masked
+        # logits).
+        logits = apply_token_mask(model.logits(hidden[batch.sample_index]), mask)
         sampled = sample(logits, sampling, slot_sampling, num_top=options.num_top,
                          apply_filters=True, vocab_size=model.cfg.vocab_size)
         ranks, newest = token_ranks(logits, sampled.tokens), sampled.tokens

@@ -158,6 +158,7 @@ class SchedulerCore:
         self._settle_if(penalties=any(s.params.repetition_penalty != 1.0
                                       or s.params.presence_penalty
                                       or s.params.frequency_penalty for s in self.active))
+        self._settle_if(grammar=any(s.grammar_state is not None for s in self.active))
         packed = self._pack()
         if not packed:
             self._settle_if(empty_batch=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 
+from metrale_jax.grammar.masks import grammar_mask
 from metrale_jax.scheduler.levers import LeverValues
 from metrale_jax.scheduler.memory import Memory
 from metrale_jax.sequence import Sequence, Status
@@ -69,7 +70,7 @@ def _row(seq: Sequence, chunk: list[int], drafts: list[int] = (), spec_depth: in
     follow = seq.all_ids[end:end + spec_depth] if spec_depth and not samples else ()
     scheduled = ScheduledRow(chunk + list(drafts), start, seq.block_table, seq.slot,
                              seq.row_sampling(), targets, seq.uid, num_drafts=len(drafts),
-                             follow=follow)
+                             follow=follow, token_mask=grammar_mask(seq, samples))
     return PackedRow(seq, seq.epoch, samples, scheduled)
 
 

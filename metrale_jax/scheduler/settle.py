@@ -11,7 +11,7 @@ from __future__ import annotations
 def must_settle(*, pipeline: bool = True, batch_changes: bool = False,
                 penalties: bool = False, needs_room: bool = False,
                 empty_batch: bool = False, stopping: bool = False,
-                speculative: bool = False) -> bool:
+                speculative: bool = False, grammar: bool = False) -> bool:
     """True when any reason holds; each call site passes the reasons it can know:
 
     pipeline      — False: the plain loop reads every step back before the next tick.
@@ -27,6 +27,11 @@ def must_settle(*, pipeline: bool = True, batch_changes: bool = False,
     speculative   — this tick runs the speculative step, or the step ahead is one: a
                     sequence's next row starts after the drafts it accepted, which only
                     the read-back says.
+    grammar       — a decoding sequence is grammar-constrained: the mask of its next token
+                    depends on the token the step ahead is sampling, so the matcher must
+                    take that token first. Settling is the simple exact choice (no
+                    speculative masks); it gives up the overlap only while such a sequence
+                    decodes (see metrale_jax/grammar).
     """
     return (not pipeline or batch_changes or penalties or needs_room or empty_batch
-            or stopping or speculative)
+            or stopping or speculative or grammar)

@@ -1,0 +1,111 @@
+"""What a grammar constraint costs per token, at batch 1 and 16, on the built-in model.
+
+For each batch: delivered decode tokens/s of the same requests unconstrained, with the
+pipeline on (the step runs ahead of the host) and off, and constrained by a regex that lets
+every row decode the whole budget (the loop settles before each constrained step: the next
+mask needs the token just sampled, so a constrained batch runs as the pipeline-off loop does,
+plus the grammar's host work); and the host time per step spent in the grammar (masks
+computed, tokens consumed). An unconstrained batch does no grammar work on the host (a device constant
+stands in for the masks) and one traced `any` over the rows on the device.
+Run: `python -m benchmarks.structured_outputs`; results go to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from benchmarks.common import write_result
+from metrale_jax.grammar.matcher import GrammarState
+from metrale_jax.grammar.params import StructuredOutputsParams
+from metrale_jax.request import SamplingParams
+
+TOKENS = 48
+PROMPT = 32
+REGEX = r"[a-z ]{200,400}"  # never complete within TOKENS: every row decodes them all
+
+
+class GrammarClock:
+    """Wall time inside GrammarState.next_mask and .advance (patched for the run)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._saved = {}
+
+    def __enter__(self):
+        for name in ("next_mask", "advance"):
+            real = getattr(GrammarState, name)
+            self._saved[name] = real
+
+            def timed(*args, _real=real):
+                t0 = time.perf_counter()
+                try:
+                    return _real(*args)
+                finally:
+                    self.seconds += time.perf_counter() - t0
+            setattr(GrammarState, name, timed)
+        return self
+
+    def __exit__(self, *exc):
+        for name, real in self._saved.items():
+            setattr(GrammarState, name, real)
+
+
+def run(batch: int, constrained: bool, repeats: int, pipeline: bool = True) -> dict:
+    from metrale_jax.engine import LLMEngine
+
+    engine = LLMEngine(None, max_batch_size=batch, max_tokens_per_tick=max(64, batch * 4),
+                       max_seq_len=128, block_size=16, num_kv_blocks=batch * 8 + 1,
+                       seq_buckets=(batch,), token_buckets=(batch, max(64, batch * 4)),
+                       query_buckets=(1, 64), block_buckets=(8,), enable_pipeline=pipeline)
+    so = StructuredOutputsParams(regex=REGEX) if constrained else None
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True,
+                            structured_outputs=so)
+    best, grammar_s, steps = None, 0.0, 0
+    for rep in range(repeats + 1):  # the first round compiles
+        reqs = [engine.make_request({"prompt_token_ids": [3 + (i * 7 + j) % 4000
+                                                          for j in range(PROMPT)]}, params)
+                for i in range(batch)]
+        for r in reqs:
+            engine.submit(r)
+        while len(engine.core.active) < batch or engine.core.prefilling:
+            engine.step()
+        start_tokens = sum(len(s.output_ids) for r in reqs for s in r.sequences)
+        start_steps = engine.core.steps_total
+        with GrammarClock() as clock:
+            t0 = time.perf_counter()
+            while not all(r.finished for r in reqs):
+                engine.step()
+            engine.drain()
+            elapsed = time.perf_counter() - t0
+        tokens = sum(len(s.output_ids) for r in reqs for s in r.sequences) - start_tokens
+        if rep and (best is None or tokens / elapsed > best):
+            best = tokens / elapsed
+            grammar_s = clock.seconds
+            steps = engine.core.steps_total - start_steps
+    engine.close()
+    return {"batch": batch, "constrained": constrained, "pipeline": pipeline,
+            "decode_tok_s": round(best, 1),
+            "grammar_ms_per_step": round(1e3 * grammar_s / max(steps, 1), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rows = []
+    for batch in (1, 16):
+        plain = run(batch, False, args.repeats)
+        settled = run(batch, False, args.repeats, pipeline=False)
+        constrained = run(batch, True, args.repeats)
+        for name, base in (("vs_unconstrained", plain), ("vs_pipeline_off", settled)):
+            constrained[name] = round(constrained["decode_tok_s"] / base["decode_tok_s"], 3)
+        rows += [plain, settled, constrained]
+        print(plain, settled, constrained, flush=True)
+    path = write_result("structured_outputs", {"regex": REGEX, "tokens": TOKENS,
+                                               "prompt": PROMPT, "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

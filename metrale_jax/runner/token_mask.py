@@ -1,0 +1,82 @@
+"""Grammar token masks on the device: packed int32 bits -> -inf on disallowed logits.
+
+A step always takes a `TokenMask` of fixed shape ([rows bucket, ceil(V/32)], fixed by the
+vocabulary), so constrained and unconstrained batches run the same compiled step. A batch
+with no constrained row passes a constant kept on the device (`MaskSource.none`): nothing is
+built or sent on the host, and the device skips the masking under a traced cond.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from metrale_jax.grammar.matcher import mask_width
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenMask:
+    bits: Int[Array, "S W"]   # [rows, ceil(V/32)] bit i of word i // 32: token i allowed
+    on: Bool[Array, "S"]      # the row is constrained (others ignore their bits)
+
+
+def pack_masks(masks: Sequence[np.ndarray | None], num_rows: int, width: int,
+               ) -> TokenMask | None:
+    """Host arrays for a batch's rows (padded to `num_rows`), None when no row has a mask."""
+    if all(m is None for m in masks):
+        return None
+    bits = np.full((num_rows, width), -1, np.int32)
+    on = np.zeros((num_rows,), np.bool_)
+    for i, m in enumerate(masks):
+        if m is not None:
+            if m.shape != (width,):
+                raise ValueError(f"row {i}: token mask of shape {m.shape}, expected ({width},)")
+            bits[i], on[i] = m, True
+    return TokenMask(bits, on)
+
+
+class MaskSource:
+    """The device constant for unconstrained batches, one per rows bucket."""
+
+    def __init__(self, vocab_size: int):
+        self.width = mask_width(vocab_size)
+        self._none: dict[int, TokenMask] = {}
+
+    def none(self, num_rows: int) -> TokenMask:
+        if num_rows not in self._none:
+            self._none[num_rows] = jax.device_put(TokenMask(
+                np.full((num_rows, self.width), -1, np.int32), np.zeros((num_rows,), np.bool_)))
+        return self._none[num_rows]
+
+    def for_rows(self, masks: Sequence[np.ndarray | None], num_rows: int) -> TokenMask:
+        host = pack_masks(masks, num_rows, self.width)
+        return self.none(num_rows) if host is None else jax.device_put(host)
+
+
+def allowed_tokens(bits: Int[Array, "S W"], vocab: int) -> Bool[Array, "S V"]:
+    """Unpack bits to one bool per token id; ids past W * 32 are disallowed."""
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    unpacked = ((bits[:, :, None] >> shifts) & 1).astype(bool)  # [S, W, 32]
+    flat = unpacked.reshape(bits.shape[0], -1)[:, :vocab]
+    if flat.shape[1] < vocab:
+        flat = jnp.pad(flat, ((0, 0), (0, vocab - flat.shape[1])))
+    return flat
+
+
+def apply_token_mask(logits: Float[Array, "S V"], mask: TokenMask) -> Float[Array, "S V"]:
+    """Disallowed tokens of constrained rows become -inf. A row whose mask allows nothing
+    (a matcher in error) is left as it is: the host then rejects what it samples and fails
+    that request, instead of the whole row turning NaN. Skipped when no row is constrained."""
+
+    def masked(x):
+        allowed = allowed_tokens(mask.bits, x.shape[1])
+        on = mask.on & jnp.any(allowed, axis=-1)  # [S]
+        return jnp.where(on[:, None] & ~allowed, -jnp.inf, x).astype(x.dtype)
+
+    return jax.lax.cond(jnp.any(mask.on), masked, lambda x: x, logits)
