@@ -129,7 +129,7 @@ def _check(engines, key, pool, work, lever_values):
     return engine.core.tel.counters().get("spec_decode_num_drafts", 0) - before
 
 
-SETTINGS = settings(max_examples=8, deadline=None,
+SETTINGS = settings(max_examples=5, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])
 
