@@ -330,7 +330,8 @@ def test_made_llama_never_generates_unstreamable_tokens(tiny_llama):
 
     banned = set(unstreamable_ids(tiny_llama / "tokenizer.model"))
     assert {0, 1, 2} <= banned and len(banned) == 256 + 3
-    llm = LLM(str(tiny_llama), max_seq_len=64, max_batch_size=2, max_tokens_per_tick=64)
+    llm = LLM(str(tiny_llama), max_seq_len=64, max_batch_size=2, max_tokens_per_tick=64,
+              warmup=False)
     reqs = datasets.random_requests(2, 8, 24, 512, seed=5)
     outs = llm.generate([{"prompt_token_ids": list(r.prompt_token_ids)} for r in reqs],
                         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))

@@ -36,7 +36,7 @@ def test_batched_equals_alone(llm):
 
 def test_preemption_by_recompute_keeps_outputs():
     # 12 usable blocks of 8 tokens cannot hold 4 sequences of ~40 tokens: decodes preempt.
-    small = LLM(**{**ENGINE, "num_kv_blocks": 17})
+    small = LLM(**{**ENGINE, "num_kv_blocks": 17}, warmup=False)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     prompts = [p * 2 for p in PROMPTS[:4]]
     got = _tokens(small.generate(prompts, params))

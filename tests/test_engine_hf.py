@@ -36,7 +36,7 @@ def _hf_greedy(model, ids: list[int]) -> list[int]:
 def test_engine_greedy_equals_transformers(hf_dir):
     path, hf = hf_dir
     llm = LLM(str(path), max_batch_size=4, max_tokens_per_tick=32, max_seq_len=128,
-              block_size=4, num_kv_blocks=64)
+              block_size=4, num_kv_blocks=64, warmup=False)
     prompts = ["Return the value of", "x", "class Foo: def __init__(self) is called when"]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                 ignore_eos=True))
@@ -48,7 +48,7 @@ def test_an_attention_free_model_serves_with_default_sizes(tmp_path):
     # A pure Mamba2 model has no KV pool; its block pool is bookkeeping only and used to
     # get a single block from the memory budget ("BlockPool needs num_blocks >= 2").
     hf = save_tiny_mamba2(tmp_path)
-    llm = LLM(str(tmp_path), max_batch_size=4, max_seq_len=128)
+    llm = LLM(str(tmp_path), max_batch_size=4, max_seq_len=128, warmup=False)
     prompts = ["Return the value of", "x"]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                 ignore_eos=True))

@@ -28,7 +28,7 @@ def compiler() -> GrammarCompiler:
 
 @pytest.fixture(scope="session")
 def builtin() -> LLM:
-    return LLM(**ENGINE)
+    return LLM(**ENGINE, warmup=False)  # compiles only the shapes these tests take
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +37,7 @@ def llama(tmp_path_factory) -> LLM:
 
     path = tmp_path_factory.mktemp("llama-grammar")
     save_tiny_llama(path)
-    return LLM(str(path), **ENGINE)
+    return LLM(str(path), **ENGINE, warmup=False)
 
 
 def _params(spec: dict, temperature: float = 0.0, **kw) -> SamplingParams:
@@ -218,7 +218,7 @@ def test_greedy_constrained_outputs_do_not_depend_on_scheduling(builtin):
 
 def test_greedy_constrained_outputs_survive_preemption():
     # 16 usable blocks of 8 tokens cannot hold 4 sequences of ~50 tokens: decodes preempt.
-    small = LLM(**{**ENGINE, "num_kv_blocks": 17})
+    small = LLM(**{**ENGINE, "num_kv_blocks": 17}, warmup=False)
     spec = {"regex": r"[a-z ,]{100,140}\."}
     prompts = [LONG[:30 + 5 * i] for i in range(4)]
     crowded = _greedy(small, prompts, [spec] * 4)

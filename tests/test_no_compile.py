@@ -146,10 +146,10 @@ def test_builtin_model_with_mtp_compiles_nothing_after_warmup():
     llm = _warmed(None, speculative_config={"method": "mtp", "num_speculative_tokens": 2,
                                             "gate": "auto"})
     try:
-        stats = _drive_without_compiling(llm, seed=3, n=260)
+        stats = _drive_without_compiling(llm, seed=3, n=130)
         assert stats.get("spills", 0) > 0, stats
         llm.engine.levers.set(mtp_policy="on")
-        stats = _drive_without_compiling(llm, seed=4, n=260, penalties=False)
+        stats = _drive_without_compiling(llm, seed=4, n=130, penalties=False)
         assert stats.get("spec_decode_num_drafts", 0) > 0, stats
         assert stats.get("spec_decode_num_accepted_tokens", 0) > 0, stats
     finally:

@@ -46,7 +46,7 @@ async def test_openai_client_text_equals_plain_offline(client, llm):
     got = await api.completions.create(model=llm.engine.model_name, prompt=prompt,
                                        max_tokens=24, temperature=0.0,
                                        extra_body={"ignore_eos": True})
-    plain = LLM(MODEL, **ENGINE).generate(
+    plain = LLM(MODEL, **ENGINE, warmup=False).generate(
         [prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     assert got.choices[0].text == plain[0].outputs[0].text
 

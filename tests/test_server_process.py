@@ -38,7 +38,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline():
-    return LLM(MODEL, **ENGINE)
+    return LLM(MODEL, **ENGINE, warmup=False)
 
 
 @pytest.fixture

@@ -1,9 +1,11 @@
 """MTP speculative decoding, side by side: delivered tokens/s with speculation off, on, and
 gated (the MTP gate on auto), per batch size, on one model, greedy.
 
-Each mode gets its own engine (off: no MTP pages, the plain step only). Every engine runs
-the workload once to compile, then the modes take turns for `rounds` rounds, so a slow
-moment of a shared machine lands on all of them; a mode's figure is its best round. Prompts
+Each mode gets its own engine (off: no MTP pages, the plain step only). Every engine warms
+up (every variant compiled, as `metrale serve` does: a compile inside a measured tick would
+also mislead the gate) and runs the workload once, then the modes take turns for `rounds`
+rounds, so a slow moment of a shared machine lands on all of them; a mode's figure is its
+best round. Prompts
 are real text (the built-in model writes Shakespeare; random ids would draft nothing
 useful). Acceptance per draft depth comes from the engine's counters.
 """
@@ -67,7 +69,8 @@ def mtp_benchmark(model: str | None, batches: list[int], output_len: int, rounds
         max_len = max(len(p) for p in prompts) + output_len + depth + 2
         engines = {m: _engine(model, batch, max_len, depth, g) for m, g in MODES.items()}
         for engine in engines.values():
-            _run(engine, prompts, output_len)  # compile every shape this workload takes
+            engine.runner.warmup(progress=False)
+            _run(engine, prompts, output_len)
         best = {m: 0.0 for m in MODES}
         acceptance = {}
         for _ in range(rounds):

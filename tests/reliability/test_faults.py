@@ -58,7 +58,8 @@ class Offline:
     def __init__(self, spill_dir):
         self.store = FaultySpill(spill_dir)
         self.clock = FakeClock()  # time moves only when a test says so (the spill back-off)
-        self.llm = LLM(MODEL, clock=self.clock, spill_backend=self.store, **SMALL_POOL)
+        self.llm = LLM(MODEL, clock=self.clock, spill_backend=self.store, warmup=False,
+                       **SMALL_POOL)
         self.engine = self.llm.engine
         self.runner = FaultyRunner(self.engine.runner)
         install(self.engine.core, self.runner)
