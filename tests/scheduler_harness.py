@@ -87,6 +87,15 @@ def drive(core: SchedulerCore, requests: list[Request], max_ticks: int = 2000) -
                          f"{[(r.request_id, [s.status for s in r.sequences]) for r in requests]}")
 
 
+def tick_until(core: SchedulerCore, cond, limit: int = 200) -> None:
+    """Tick until `cond()` holds; fail after `limit` ticks."""
+    for _ in range(limit):
+        if cond():
+            return
+        core.tick()
+    raise AssertionError("condition never held")
+
+
 def assert_accounted(core: SchedulerCore) -> None:
     """After a workload: every block back, no slot held, spill directory empty."""
     core.check_integrity()

@@ -9,7 +9,7 @@ import logging
 from metrale_jax.scheduler import phases
 from tests.fake_runner import reference_continuation
 from tests.scheduler_harness import (TrackingGrammar, assert_accounted, drive, make_core,
-                                     make_request, run)
+                                     make_request, run, tick_until)
 
 
 def _crowded_core(**kw):
@@ -26,14 +26,6 @@ def _residents(grammar: list[bool]):
     return reqs
 
 
-def _tick_until(core, cond, limit=200):
-    for _ in range(limit):
-        if cond():
-            return
-        core.tick()
-    raise AssertionError("condition never held")
-
-
 def _assert_reference(reqs):
     for r in reqs:
         s = r.sequences[0]
@@ -47,7 +39,7 @@ def test_a_grammar_sequence_is_never_a_victim_while_others_are():
     reqs = _residents([True, False, False])  # the biggest is constrained
     for r in reqs:
         core.inbox.submit(r)
-    _tick_until(core, lambda: len(core.active) == 3)
+    tick_until(core, lambda: len(core.active) == 3)
     newcomer = make_request(list(range(100, 140)), 2)
     core.inbox.submit(newcomer)
     spilled = []
@@ -64,7 +56,7 @@ def test_with_only_grammar_candidates_nothing_is_spilled_and_nothing_is_lost():
     reqs = _residents([True, True, True])
     for r in reqs:
         core.inbox.submit(r)
-    _tick_until(core, lambda: len(core.active) == 3)
+    tick_until(core, lambda: len(core.active) == 3)
     newcomer = make_request(list(range(100, 140)), 2)
     core.inbox.submit(newcomer)
     drive(core, reqs + [newcomer])
@@ -79,7 +71,7 @@ def test_phase_7_warns_and_spills_nothing_when_every_candidate_is_constrained(ca
     reqs = _residents([True, True, True])
     for r in reqs:
         core.inbox.submit(r)
-    _tick_until(core, lambda: len(core.active) == 3)
+    tick_until(core, lambda: len(core.active) == 3)
     newcomer = make_request(list(range(100, 140)), 2).sequences[0]
     spilled = []
     with caplog.at_level(logging.WARNING, logger=phases.__name__):
@@ -116,7 +108,7 @@ def test_pipeline_settles_before_each_constrained_decode():
     # Unconstrained alone, the pipeline runs ahead again.
     alone = make_request(list(range(30, 37)), 12)
     core.inbox.submit(alone)
-    _tick_until(core, lambda: core.active and not core.prefilling)
+    tick_until(core, lambda: core.active and not core.prefilling)
     core.tick()
     assert core.inflight is not None
 

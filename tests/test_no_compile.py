@@ -12,37 +12,18 @@ from __future__ import annotations
 import dataclasses
 import random
 
-import jax
 import pytest
 
 from metrale_jax import LLM, SamplingParams, StructuredOutputsParams
 from tests.hf_models import save_tiny_llama
+from tests.jax_events import BACKEND_COMPILE, EventWatch
 
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 NUM_REQUESTS = 520
 # Small buckets (as the server tests use) and a KV pool far too small for 4 sequences of
 # 64 tokens: sequences spill and come back, or are preempted, all the time.
 ENGINE = dict(max_batch_size=4, max_tokens_per_tick=32, max_seq_len=64, seq_buckets=(4,),
               token_buckets=(16, 32), query_buckets=(1, 8, 32), block_size=8,
               num_kv_blocks=14, block_buckets=(8,), max_logprobs=2, prefill_chunk_size=16)
-
-
-class CompileWatch:
-    """Names of the functions JAX compiles while the watch is on."""
-
-    def __init__(self) -> None:
-        self.compiled: list[str] = []
-
-    def __call__(self, event: str, duration: float, **kwargs) -> None:
-        if event == BACKEND_COMPILE:
-            self.compiled.append(str(kwargs.get("fun_name")))
-
-    def __enter__(self) -> "CompileWatch":
-        jax.monitoring.register_event_duration_secs_listener(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        jax.monitoring.unregister_event_duration_listener(self)
 
 
 def _params(rng: random.Random, vocab: int, prompt_len: int) -> SamplingParams:
@@ -100,11 +81,11 @@ def _drive_without_compiling(llm: LLM, seed: int, n: int = NUM_REQUESTS,
         params = [dataclasses.replace(p, repetition_penalty=1.0, presence_penalty=0.0,
                                       frequency_penalty=0.0) for p in params]
     start = dict(llm.engine.stats()["counters"])
-    with CompileWatch() as watch:
+    with EventWatch(BACKEND_COMPILE) as watch:
         outs = []
         for i in range(0, n, 130):  # in waves, so the pool drains and refills
             outs += llm.generate(prompts[i:i + 130], params[i:i + 130])
-    assert watch.compiled == [], f"compiled after warm-up: {watch.compiled}"
+    assert watch.names == [], f"compiled after warm-up: {watch.names}"
     assert counter.count == before
     assert len(outs) == n and all(o.finished for o in outs)
     assert all(c.finish_reason is not None for o in outs for c in o.outputs)

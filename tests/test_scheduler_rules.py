@@ -15,7 +15,7 @@ from metrale_jax.scheduler.state import Rotation
 from metrale_jax.sequence import Status
 from tests.fake_runner import reference_continuation
 from tests.scheduler_harness import (TrackingGrammar, assert_accounted, drive, make_core,
-                                     make_request, run)
+                                     make_request, run, tick_until)
 
 P1 = list(range(1, 14))   # 13 tokens
 P2 = list(range(20, 27))  # 7 tokens
@@ -23,14 +23,6 @@ P2 = list(range(20, 27))  # 7 tokens
 
 def _outputs(req):
     return [s.output_ids for s in req.sequences]
-
-
-def _tick_until(core, cond, limit=200):
-    for _ in range(limit):
-        if cond():
-            return
-        core.tick()
-    raise AssertionError("condition never held")
 
 
 def test_outputs_equal_reference_and_everything_is_returned():
@@ -70,7 +62,7 @@ def test_settle_only_for_prefill_or_parked_work(monkeypatch):
     monkeypatch.setattr(core, "settle", lambda: (settles.append(core.inflight is not None),
                                                  real())[1])
     core.inbox.submit(make_request(P2, 20))
-    _tick_until(core, lambda: core.active and not core.prefilling)
+    tick_until(core, lambda: core.active and not core.prefilling)
     settles.clear()
     for _ in range(3):  # pure decode ticks: the step stays ahead of the host
         core.tick()
@@ -85,7 +77,7 @@ def test_snapshot_fields():
     core = make_core(num_blocks=40)
     core.inbox.submit(make_request(P1, 20))
     core.inbox.submit(make_request(P2, 20))
-    _tick_until(core, lambda: len(core.active) == 2)
+    tick_until(core, lambda: len(core.active) == 2)
     plan = core.plan_tick()  # phase 4 publishes before the lanes allocate anything
     snap = core.tel.snapshot
     assert snap.active_seqs == 2 and snap.prefilling_seqs == 0 and snap.swapped_seqs == 0
@@ -129,7 +121,7 @@ def _admit_residents(core):
     reqs = _residents()
     for r in reqs:
         core.inbox.submit(r)
-    _tick_until(core, lambda: len(core.active) == 3)
+    tick_until(core, lambda: len(core.active) == 3)
     return reqs
 
 
@@ -138,7 +130,7 @@ def test_victim_has_most_blocks_and_is_never_grammar_constrained():
     long_grammar, mid, short = reqs = _admit_residents(core)
     long_grammar.sequences[0].grammar_state = TrackingGrammar()
     newcomer = _submit_newcomer(core)
-    _tick_until(core, lambda: core.swapped)
+    tick_until(core, lambda: core.swapped)
     assert [s.request_id for s in core.swapped] == [mid.request_id]
     long_grammar.sequences[0].grammar_state = None
     drive(core, reqs + [newcomer])
@@ -154,7 +146,7 @@ def test_prefix_reclaim_spares_the_requests_own_prefix():
     assert core.pool.num_cached == 8
     hog = make_request(list(range(100, 136)), 4)       # 10 blocks from the 11 free
     core.inbox.submit(hog)
-    _tick_until(core, lambda: hog.sequences[0].status is Status.RUNNING)
+    tick_until(core, lambda: hog.sequences[0].status is Status.RUNNING)
     hits_before = core.pool.stats.prefix_hit_tokens
     again = make_request(shared[:16] + list(range(200, 209)), 3)  # reuses 4 blocks, needs 3
     core.inbox.submit(again)
@@ -231,7 +223,7 @@ def test_corrupt_spill_file_falls_back_to_exact_recompute(tmp_path):
     core = _crowded_core(spill_dir=str(tmp_path))
     reqs = _admit_residents(core)
     newcomer = _submit_newcomer(core)
-    _tick_until(core, lambda: core.swapped)
+    tick_until(core, lambda: core.swapped)
     victim = core.swapped[0]
     for f in pathlib.Path(tmp_path).glob("*.bin"):
         data = bytearray(f.read_bytes())
@@ -248,7 +240,7 @@ def test_shutdown_waits_for_parked_work():
     core = _crowded_core()
     reqs = _admit_residents(core) + [_newcomer()]
     core.inbox.submit(reqs[-1])
-    _tick_until(core, lambda: core.swapped)
+    tick_until(core, lambda: core.swapped)
     core.inbox.close()
     ticks = 0
     while core.tick():
@@ -290,7 +282,7 @@ def test_abort_anywhere(where):
         target = next((r for r in reqs if r.sequences[0].status is state), None)
         return target is not None
 
-    _tick_until(core, found)
+    tick_until(core, found)
     core.inbox.abort(target.request_id)
     others = [r for r in reqs if r is not target]
     drive(core, others)

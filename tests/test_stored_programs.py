@@ -13,8 +13,8 @@ import pytest
 from metrale_jax import LLM, SamplingParams
 from metrale_jax.runner import program_store
 from metrale_jax.runner.program_store import ProgramStore
+from tests.jax_events import TRACE, EventWatch
 
-TRACE = "/jax/core/compile/jaxpr_trace_duration"
 ENGINE = dict(max_batch_size=2, max_tokens_per_tick=16, max_seq_len=64, block_size=8,
               num_kv_blocks=24, seq_buckets=(2,), token_buckets=(16,), query_buckets=(1, 16),
               block_buckets=(8,), max_logprobs=2)
@@ -22,24 +22,6 @@ PROMPTS = ["To be, or not to be", "x", "A prompt long enough for a second prefil
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2),
           SamplingParams(temperature=1.0, seed=7, max_tokens=6, ignore_eos=True, logprobs=1),
           SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=6, ignore_eos=True)]
-
-
-class TraceWatch:
-    """Names of the functions JAX traces while the watch is on."""
-
-    def __init__(self) -> None:
-        self.traced: list[str] = []
-
-    def __call__(self, event: str, duration: float, **kwargs) -> None:
-        if event == TRACE:
-            self.traced.append(str(kwargs.get("fun_name")))
-
-    def __enter__(self) -> "TraceWatch":
-        jax.monitoring.register_event_duration_secs_listener(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        jax.monitoring.unregister_event_duration_listener(self)
 
 
 def _outputs(llm: LLM) -> list:
@@ -82,9 +64,9 @@ def test_stored_programs_give_exactly_the_direct_results(first, direct):
 
 def test_second_start_traces_no_step_and_compiles_nothing_after_warmup(first, store_dir,
                                                                       direct):
-    with TraceWatch() as watch:
+    with EventWatch(TRACE) as watch:
         llm = LLM(**ENGINE, program_cache=str(store_dir))
-    assert not any(name in ("_step", "flat_step") for name in watch.traced), watch.traced
+    assert not any(name in ("_step", "flat_step") for name in watch.names), watch.names
     before = llm.runner.counter.count
     assert _outputs(llm) == direct
     assert llm.runner.counter.count == before
