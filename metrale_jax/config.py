@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from metrale_jax.lora.config import LoraConfig
 from metrale_jax.spec.config import SpeculativeConfig
 
 # A layer pattern is a string with one character per residual block:
@@ -173,6 +174,8 @@ class EngineConfig:
     # (runner/stored_step.py): "auto" is inside JAX's persistent compilation cache directory
     # when one is set, "none" turns it off, anything else is a directory.
     program_cache: str = "auto"
+    # Multi-LoRA (None: off; no adapter slots are allocated and no step does LoRA work).
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         # A dict or JSON text (vLLM's shape) becomes the validated object.

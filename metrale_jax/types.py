@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from metrale_jax.lora.weights import LoraWeights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,8 @@ class ScheduledRow:
     # Grammar (structured outputs): [ceil(V/32)] packed int32 bits of the tokens allowed at
     # the sampled position (bit i of word i // 32 set: token i allowed); None: unconstrained.
     token_mask: np.ndarray | None = None
+    # LoRA: the device slot of the row's adapter (0: the base model, no adapter work).
+    adapter_slot: int = 0
 
     @property
     def end(self) -> int:
@@ -143,6 +148,17 @@ class Runner(Protocol):
 
     def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy SSM state slots (snapshots), ordered after every step dispatched."""
+
+    @property
+    def max_loras(self) -> int:
+        """Adapter slots besides slot 0 (0: LoRA off)."""
+
+    def load_adapter(self, slot: int, weights: "LoraWeights") -> None:
+        """Copy an adapter into device slot `slot` (1..max_loras), replacing what it held;
+        ordered after every step dispatched before it."""
+
+    def unload_adapter(self, slot: int) -> None:
+        """Zero device slot `slot`: a row that names it would run the base model."""
 
     def recover(self) -> bool:
         """After `dispatch` or `collect` raised: True when the device caches were lost
