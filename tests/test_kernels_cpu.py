@@ -43,6 +43,16 @@ def test_ragged_prefill_and_decode(rng, group):  # noqa: F811
     _check(args, valid)
 
 
+def test_a_large_batch_spreads_over_the_thread_pool(rng):  # noqa: F811
+    # 32 rows x ~30 keys x 16 query cells x 8 heads x D 16: ~2M products, past the
+    # kernel's kMinParallelWork (1M), so the rows are split between pool threads; every
+    # smaller case above runs on the calling thread.
+    rows = [(MB * BS - 1 - (i % 5), 1 + (i % 16)) for i in range(32)]
+    assert sum(c for c, _ in rows) * 16 * 8 * D >= 1 << 20
+    args, valid = _case(rng, rows, heads=8, kv_heads=2, q_bucket=16)
+    _check(args, valid)
+
+
 def test_sliding_window_and_soft_cap(rng):  # noqa: F811
     rows = [(MB * BS - 5, 7), (BS, 1), (2 * BS + 1, 2 * BS + 1)]
     args, valid = _case(rng, rows, heads=4, kv_heads=1, q_bucket=16)
