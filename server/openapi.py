@@ -136,7 +136,9 @@ def _sampling_fields(limits: P.Limits) -> dict:
     """The fields /v1/completions and /v1/chat/completions share (protocol.sampling_params)."""
     token = _int(0, limits.vocab_size - 1)
     return {
-        "model": _null({"enum": list(limits.model_names)}),
+        "model": _null({"enum": list(limits.model_names)} if limits.has_adapter is None else
+                       {**STR, "description": f"{list(limits.model_names)} or a loaded LoRA "
+                                              "adapter (GET /v1/models)"}),
         "n": _null(_int(1, P.MAX_N)),
         "temperature": _null(_num(0.0, 2.0)),
         "top_p": _null(_num(0.0, 1.0, open_lo=True)),
