@@ -51,6 +51,7 @@ class EngineLimits:
     max_logprobs: int
     vocab_size: int
     max_batch_size: int
+    max_loras: int = 0          # LoRA adapter slots (0: LoRA off)
 
 
 @dataclasses.dataclass
@@ -113,7 +114,8 @@ class AsyncLLM:
         self.limits = EngineLimits(
             model_name=e.model_name, max_seq_len=e.engine_config.max_seq_len,
             max_logprobs=e.engine_config.max_logprobs, vocab_size=e.model_config.vocab_size,
-            max_batch_size=e.engine_config.max_batch_size)
+            max_batch_size=e.engine_config.max_batch_size,
+            max_loras=e.engine_config.lora.max_loras if e.engine_config.lora else 0)
 
     # ---- lifecycle --------------------------------------------------------------------------
 

@@ -25,6 +25,8 @@ from server.responses import now
 def adapter_models(state) -> list[dict]:
     """`/v1/models` entries for the loaded adapters: vLLM's shape (root: the adapter's
     path, parent: the base model)."""
+    if state.limits.has_adapter is None:  # LoRA off
+        return []
     return [{"id": name, "object": "model", "created": now(), "owned_by": "metrale",
              "root": path, "parent": state.model_name,
              "max_model_len": state.limits.max_seq_len}
@@ -42,7 +44,7 @@ def resolve_in(lora_dir: str, path: str) -> str:
 
 
 def _runtime_allowed(state) -> None:
-    if not state.llm.lora_enabled:
+    if state.limits.has_adapter is None:
         raise APIError(400, "LoRA is not enabled on this server (start it with --enable-lora)",
                        code="lora_disabled")
     if state.config.lora_dir is None:

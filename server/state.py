@@ -45,7 +45,7 @@ class ServerState:
         names = config.served_model_names or (engine.model_name,)
         self.limits = Limits(model_names=tuple(names), max_seq_len=engine.max_seq_len,
                              max_logprobs=engine.max_logprobs, vocab_size=engine.vocab_size,
-                             has_adapter=llm.has_adapter if llm.lora_enabled else None)
+                             has_adapter=llm.has_adapter if engine.max_loras else None)
         self.model_name = names[0]
         self.metrics = ServerMetrics(llm, self.model_name)
         self.open_seqs = 0
