@@ -79,3 +79,56 @@ def test_lora_errors_are_clear():
         plain.generate(PROMPTS[:1], GREEDY, lora_request=a)
     with pytest.raises(ValueError, match="enable_lora=True"):
         fake_llm(max_loras=2)
+
+
+# ---- on the built-in model (needs the device side: metrale_jax.lora.targets and a runner
+# with adapter slots; skipped until both branches are merged) -----------------------------------
+
+class RandomAdapters:
+    """Adapters with random A/B on every target of the model, seeded by name (no files)."""
+
+    def __init__(self) -> None:
+        self.model_config = None  # set once the engine is built
+
+    def __call__(self, name, path):
+        import zlib
+
+        import numpy as np
+
+        from metrale_jax.lora.targets import model_targets
+        from metrale_jax.lora.weights import LoraWeights
+
+        rng = np.random.default_rng(zlib.crc32(name.encode()))
+        targets = {t.path: (rng.normal(0, 0.5, (t.d_in, 4)).astype(np.float32),
+                            rng.normal(0, 0.5, (4, t.d_out)).astype(np.float32))
+                   for t in model_targets(self.model_config).values()}
+        return LoraWeights(name=name, rank=4, scaling=1.0, targets=targets)
+
+
+REAL_ENGINE = dict(max_batch_size=4, max_tokens_per_tick=32, max_seq_len=128, block_size=8,
+                   num_kv_blocks=80, seq_buckets=(2, 4), token_buckets=(16, 32),
+                   query_buckets=(1, 8, 32), block_buckets=(16,), max_logprobs=5)
+
+
+def test_real_model_mixed_adapters_equal_alone_and_rotate_through_two_slots():
+    pytest.importorskip("metrale_jax.lora.targets")
+    loader = RandomAdapters()
+    llm = LLM(warmup=False, enable_lora=True, max_loras=2, max_lora_rank=8,
+              adapter_loader=loader, **REAL_ENGINE)
+    loader.model_config = llm.model_config
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = ["To be, or not to be", "The class statement", "Python supports the",
+               "Now is the winter"]
+    a, b, c = (LoRARequest(n, i, f"/adapters/{n}") for i, n in enumerate("abc", 1))
+    loras = [a, None, b, c]  # three adapters on two slots: the cohort gate rotates
+
+    def tokens(outputs):
+        return [o.outputs[0].token_ids for o in outputs]
+
+    together = tokens(llm.generate(prompts, params, lora_request=loras))
+    alone = [tokens(llm.generate([p], params, lora_request=r))[0]
+             for p, r in zip(prompts, loras)]
+    assert together == alone
+    base = tokens(llm.generate([prompts[0]], params))[0]
+    assert base != together[0]  # the adapter changes what the model says
+    assert llm.engine.core.pool.num_used == 0

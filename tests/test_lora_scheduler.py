@@ -350,3 +350,12 @@ def test_replace_waits_while_the_only_sequence_left_is_parked(park):
     tick_until(core, lambda: acks.calls)
     assert acks.calls == [("replaced a", None)]
     assert_accounted(core)
+
+
+def test_rotation_hold_ticks_is_a_validated_lever():
+    from metrale_jax.scheduler.levers import LeverError
+
+    core = make_core()
+    assert core.levers.set(rotation_hold_ticks=0).rotation_hold_ticks == 0
+    with pytest.raises(LeverError, match="rotation_hold_ticks"):
+        core.levers.set(rotation_hold_ticks=-1)

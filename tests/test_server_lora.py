@@ -192,3 +192,13 @@ def test_serve_flags_are_vllms():
     assert (kw["enable_lora"], kw["max_loras"], kw["max_lora_rank"]) == (True, 3, 32)
     with pytest.raises(SystemExit, match="needs --enable-lora"):
         engine_kwargs(parser.parse_args(["serve", "--lora-modules", "a=/x"]))
+
+
+async def test_async_generate_takes_a_lora_request(llm, lora_dir):
+    from metrale_jax import LoRARequest, SamplingParams
+
+    path = str(lora_dir / "chat/2.5")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    deltas = await llm.generate(PROMPT, params, lora_request=LoRARequest("gen", 77, path))
+    text = "".join([d.text async for d in deltas])
+    assert text == expected_text(llm, path, name="gen")

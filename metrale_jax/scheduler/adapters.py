@@ -130,8 +130,7 @@ class AdapterCohort:
         self.registry.replace(command.name, command.path, command.weights)
         return f"replaced {command.name}"
 
-    def load_cohort(self, ordered_waiting: Seq[Sequence], tick: int,
-                    ) -> list[tuple[str, BaseException]]:
+    def load_cohort(self, ordered_waiting: Seq[Sequence]) -> list[tuple[str, BaseException]]:
         """Load the adapters the head of the waiting queue needs: walking it in admission
         order, up to `max_loras` distinct adapters (resident ones count), evicting least
         recently used adapters outside that cohort. Returns the loads that failed."""

@@ -131,7 +131,7 @@ class SchedulerCore:
         busy = bool(self.active or self.prefilling or new or self.parking)
         rotated = phases.apply_rotations(self.pending, quiet=not busy,
                                          apply=self._apply_rotation,
-                                         cohort_round=lambda: self._load_cohort(tick))
+                                         cohort_round=self._load_cohort)
         if rotated:
             self.rotation_hold.rotated(tick)
         self.tel.mark(Phase.ROTATIONS, t)
@@ -223,13 +223,15 @@ class SchedulerCore:
             return command.apply()
         return self.cohort.apply(command)
 
-    def _load_cohort(self, tick: int) -> bool:
+    def _load_cohort(self) -> bool:
         """Phase 5, after the queued commands: load the adapters the head of the waiting
         queue needs; requests waiting for an adapter that failed to load get the error."""
+        if self.cohort.registry is None:
+            return False
         ordered = self.policy.order(self.pending.waiting)
         if not self.cohort.wanted(ordered):
             return False
-        for name, exc in self.cohort.load_cohort(ordered, tick):
+        for name, exc in self.cohort.load_cohort(ordered):
             for seq in [s for s in self.pending.waiting if s.lora_name == name]:
                 if not seq.finished:
                     self.fail_sequence(seq, f"lora: adapter {name!r} could not be loaded: "
