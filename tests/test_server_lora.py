@@ -202,3 +202,31 @@ async def test_async_generate_takes_a_lora_request(llm, lora_dir):
     deltas = await llm.generate(PROMPT, params, lora_request=LoRARequest("gen", 77, path))
     text = "".join([d.text async for d in deltas])
     assert text == expected_text(llm, path, name="gen")
+
+
+# ---- on the built-in model (needs the device side; skipped until both branches are merged) --
+
+async def test_real_model_server_serves_adapters_batched_as_alone(aiohttp_client):
+    pytest.importorskip("metrale_jax.lora.targets")
+    from tests.server_fixtures import ENGINE as REAL_ENGINE
+    from tests.test_lora_engine import RandomAdapters
+
+    loader = RandomAdapters()
+    engine = AsyncLLM(None, enable_lora=True, max_loras=2, max_lora_rank=8,
+                      adapter_loader=loader, **REAL_ENGINE)
+    loader.model_config = engine.engine.model_config
+    for name in ("a", "b", "c"):
+        engine.register_adapter(name, f"/adapters/{name}")
+    engine.start()
+    try:
+        client = await aiohttp_client(create_app(engine))
+        c = oai(client)
+        models = [engine.limits.model_name, "a", "b", "c"]
+        alone = [await complete(c, m) for m in models]
+        import asyncio
+        together = await asyncio.gather(*(complete(c, m) for m in models))
+        assert list(together) == alone
+        assert alone[1] != alone[0]  # the adapter changes the output
+        await c.close()
+    finally:
+        engine.shutdown(timeout=30)
