@@ -230,3 +230,59 @@ async def test_real_model_server_serves_adapters_batched_as_alone(aiohttp_client
         await c.close()
     finally:
         engine.shutdown(timeout=30)
+
+
+def write_peft_adapter(directory, model_config, seed: int, rank: int = 4) -> None:
+    """A PEFT LoRA directory by hand (adapter_config.json + adapter_model.safetensors) on
+    the attention projections of a hybrid model (NemotronH names: backbone.layers.N.mixer)."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from metrale_jax.lora.targets import block_targets
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for i, kind in enumerate(model_config.layer_pattern):
+        if kind != "A":
+            continue
+        for proj, (d_in, d_out) in block_targets(model_config, kind).items():
+            key = f"base_model.model.backbone.layers.{i}.mixer.{proj}"
+            tensors[f"{key}.lora_A.weight"] = rng.normal(0, 0.5, (rank, d_in)).astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = rng.normal(0, 0.5, (d_out, rank)).astype(np.float32)
+    directory.mkdir(parents=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
+         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}))
+
+
+async def test_real_model_loads_peft_directories_at_runtime(aiohttp_client, tmp_path):
+    """`--lora-dir` with the real PEFT loader: load, use, unload through the endpoints."""
+    pytest.importorskip("metrale_jax.lora.peft")
+    from tests.server_fixtures import ENGINE as REAL_ENGINE
+
+    engine = AsyncLLM(None, enable_lora=True, max_loras=1, max_lora_rank=8, **REAL_ENGINE)
+    write_peft_adapter(tmp_path / "adapters" / "sql", engine.engine.model_config, seed=1)
+    engine.start()
+    try:
+        app = create_app(engine, ServerConfig(lora_dir=str(tmp_path / "adapters")))
+        client = await aiohttp_client(app)
+        c = oai(client)
+        status, text = await post(client, "/v1/load_lora_adapter",
+                                  {"lora_name": "sql", "lora_path": "sql"})
+        assert status == 200, text
+        base = await complete(c, engine.limits.model_name)
+        adapted = await complete(c, "sql")
+        assert adapted != base
+        assert await complete(c, "sql") == adapted
+        status, text = await post(client, "/v1/load_lora_adapter",
+                                  {"lora_name": "bad", "lora_path": "."})
+        assert status == 400 and "adapter_config.json" in text
+        status, _ = await post(client, "/v1/unload_lora_adapter", {"lora_name": "sql"})
+        assert status == 200
+        assert await complete(c, engine.limits.model_name) == base
+        await c.close()
+    finally:
+        engine.shutdown(timeout=30)
