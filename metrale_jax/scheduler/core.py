@@ -31,7 +31,7 @@ from metrale_jax.scheduler.memory import Memory
 from metrale_jax.scheduler.parking import Parking
 from metrale_jax.scheduler.policy import AdmissionPolicy
 from metrale_jax.scheduler.settle import must_settle
-from metrale_jax.scheduler.state import OutputSink, Pending, Rotation, TickPlan
+from metrale_jax.scheduler.state import OutputSink, Pending, TickPlan
 from metrale_jax.sequence import Sequence, Status
 from metrale_jax.spec.gate import MtpGate
 from metrale_jax.telemetry import Clock, Phase, Telemetry
@@ -130,7 +130,7 @@ class SchedulerCore:
         t = self.clock.now()
         busy = bool(self.active or self.prefilling or new or self.parking)
         rotated = phases.apply_rotations(self.pending, quiet=not busy,
-                                         apply=self._apply_rotation,
+                                         apply=self.cohort.apply,
                                          cohort_round=self._load_cohort)
         if rotated:
             self.rotation_hold.rotated(tick)
@@ -217,11 +217,6 @@ class SchedulerCore:
         quiet = not (self.active or self.prefilling or self.parking)
         return self.rotation_hold.holds(tick, bool(self.pending.rotations or wanted), quiet,
                                         self.levers_now.rotation_hold_ticks)
-
-    def _apply_rotation(self, command):
-        if isinstance(command, Rotation):
-            return command.apply()
-        return self.cohort.apply(command)
 
     def _load_cohort(self) -> bool:
         """Phase 5, after the queued commands: load the adapters the head of the waiting
