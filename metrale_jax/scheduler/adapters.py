@@ -82,8 +82,10 @@ class AdapterCohort:
         """Registered adapters with no slot that waiting sequences need, oldest need first."""
         names: list[str] = []
         for seq in ordered:
-            if seq.lora_name is not None and seq.lora_name not in names and not self.ready(seq):
-                names.append(seq.lora_name)
+            name = seq.lora_name
+            if name is not None and name not in names and not self.ready(seq) \
+                    and name in self.registry:
+                names.append(name)
         return names
 
     def bind(self, seq: Sequence, tick: int) -> None:
