@@ -15,6 +15,7 @@ _EXPORTS = {
     "SamplingParams": "metrale_jax.request",
     "RequestError": "metrale_jax.request",
     "StructuredOutputsParams": "metrale_jax.grammar",
+    "LoRARequest": "metrale_jax.lora.request",
     "RequestOutput": "metrale_jax.outputs",
     "CompletionOutput": "metrale_jax.outputs",
     "Logprob": "metrale_jax.outputs",

@@ -16,8 +16,12 @@
    failures stop the loop, which answers every request it holds first, and `error` is set
    (the server's /health turns unhealthy).
 
+7. Adapter commands (`load_adapter`, `unload_adapter`) read the adapter directory on a
+   worker thread, queue the rotation, and resolve once the engine thread acknowledges it at
+   a quiescent tick.
+
 Besides streams, the server reads everything through this class: tokenizing, the chat
-template, limits, the published snapshot, telemetry and the levers.
+template, limits, the published snapshot, telemetry, the levers and the adapters.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ import threading
 from collections.abc import AsyncIterator, Hashable
 
 from metrale_jax.engine import LLMEngine, PromptInput
+from metrale_jax.lora.weights import LoraError
 from metrale_jax.outputs import StreamDelta
 from metrale_jax.request import Request, RequestError, SamplingParams
 from metrale_jax.scheduler.faults import EngineFailed
 from metrale_jax.scheduler.levers import Levers
 from metrale_jax.scheduler.snapshot import SchedulerSnapshot
+from metrale_jax.scheduler.state import LoadAdapter, UnloadAdapter
 from metrale_jax.sequence import Sequence, decode_logprobs
 
 
@@ -45,6 +51,7 @@ class EngineLimits:
     max_logprobs: int
     vocab_size: int
     max_batch_size: int
+    max_loras: int = 0          # LoRA adapter slots (0: LoRA off)
 
 
 @dataclasses.dataclass
@@ -107,7 +114,8 @@ class AsyncLLM:
         self.limits = EngineLimits(
             model_name=e.model_name, max_seq_len=e.engine_config.max_seq_len,
             max_logprobs=e.engine_config.max_logprobs, vocab_size=e.model_config.vocab_size,
-            max_batch_size=e.engine_config.max_batch_size)
+            max_batch_size=e.engine_config.max_batch_size,
+            max_loras=e.engine_config.lora.max_loras if e.engine_config.lora else 0)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -146,23 +154,29 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptInput, params: SamplingParams, *,
                        request_id: str | None = None, priority: int = 0,
-                       ) -> AsyncIterator[StreamDelta]:
-        """Submit one request and return its deltas; leaving the iterator early aborts it."""
+                       lora_request=None) -> AsyncIterator[StreamDelta]:
+        """Submit one request and return its deltas; leaving the iterator early aborts it.
+        `lora_request`: a LoRARequest (read on a worker thread the first time) or None."""
+        lora_name = None
+        if lora_request is not None:
+            lora_name = await asyncio.to_thread(self.engine.ensure_adapter, lora_request)
         queue: asyncio.Queue = asyncio.Queue()
         request_id = self.submit(prompt, params, queue=queue, request_id=request_id,
-                                 priority=priority)
+                                 priority=priority, lora_name=lora_name)
         return self._drain(request_id, queue)
 
     def submit(self, prompt: PromptInput, params: SamplingParams, *, queue: asyncio.Queue,
                key: Hashable | None = None, request_id: str | None = None,
-               priority: int = 0, max_tokens_must_fit: bool = True) -> str:
+               priority: int = 0, max_tokens_must_fit: bool = True,
+               lora_name: str | None = None) -> str:
         """Submit one request whose deltas go to `queue` (on the running event loop), each
         as `(key, delta)` when a key is given, then `None` (or `(key, None)`) once it is
         finished. The caller decodes logprobs (`decode_logprobs`) and aborts what it leaves.
         Raises RequestError (bad input) or RuntimeError (shutting down)."""
         request = self.engine.make_request(prompt, params, priority=priority,
                                            request_id=request_id,
-                                           max_tokens_must_fit=max_tokens_must_fit)
+                                           max_tokens_must_fit=max_tokens_must_fit,
+                                           lora_name=lora_name)
         if request.request_id in self._sink.targets:  # never re-point a live request's queue
             raise RequestError(f"request_id: {request.request_id!r} is already in flight")
         self._sink.targets[request.request_id] = _Target(asyncio.get_running_loop(), queue,
@@ -197,6 +211,67 @@ class AsyncLLM:
         """Compile a request's structured-output constraint (blocking; any thread but the
         engine's). Raises RequestError when it does not compile."""
         self.engine.compile_grammar(params)
+
+    # ---- adapters (multi-LoRA) ----------------------------------------------------------------
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.adapters is not None
+
+    def adapters(self) -> list[tuple[str, str]]:
+        """(name, path) of every registered adapter."""
+        if self.engine.adapters is None:
+            return []
+        return [(a.name, a.path) for a in self.engine.adapters.adapters()]
+
+    def has_adapter(self, name: str) -> bool:
+        return self.engine.adapters is not None and name in self.engine.adapters
+
+    def register_adapter(self, name: str, path: str) -> None:
+        """Read and register an adapter (blocking: before `start`, or on a worker thread);
+        the cohort gate loads it into a slot when a request needs it. Raises LoraError."""
+        registry = self._registry()
+        registry.register(name, path, registry.read(name, path))
+
+    async def load_adapter(self, name: str, path: str, replace: bool = False) -> str:
+        """Read the adapter on a worker thread, then load it into a device slot at the next
+        quiescent tick (`replace`: new weights for a registered name). Returns once the
+        engine thread has acknowledged it; raises LoraError (or EngineFailed)."""
+        registry = self._registry()
+        if not replace and name in registry:
+            raise LoraError(f"adapter {name!r}: is already loaded")
+        weights = await asyncio.to_thread(registry.read, name, path)
+        return await self._rotate(lambda ack: LoadAdapter(name, path, weights, ack, replace))
+
+    async def unload_adapter(self, name: str) -> str:
+        """Free the adapter's slot and forget it at the next quiescent tick (requests still
+        waiting for it fail). Raises LoraError when it is not loaded."""
+        if name not in self._registry():
+            raise LoraError(f"adapter {name!r}: is not loaded")
+        return await self._rotate(lambda ack: UnloadAdapter(name, ack))
+
+    def _registry(self):
+        if self.engine.adapters is None:
+            raise LoraError("LoRA is not enabled on this engine (start it with --enable-lora)")
+        return self.engine.adapters
+
+    async def _rotate(self, make):
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def settle(result, error) -> None:  # on the event loop
+            if done.done():
+                return  # the caller went away
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+        def ack(result, error) -> None:  # on the engine thread, exactly once
+            loop.call_soon_threadsafe(settle, result, error)
+
+        self.engine.submit_rotation(make(ack))
+        return await done
 
     # ---- the tokenizer ----------------------------------------------------------------------
 

@@ -19,6 +19,10 @@ from metrale_jax.cache.spill import SpillStore
 from metrale_jax.cache.spill_dirs import make_private_dir, remove_stale_dirs
 from metrale_jax.config import EngineConfig
 from metrale_jax.loader.resolve import load
+from metrale_jax.lora.config import LoraConfig
+from metrale_jax.lora.registry import AdapterLoader, AdapterRegistry, peft_loader
+from metrale_jax.lora.request import LoRARequest
+from metrale_jax.lora.weights import LoraError
 from metrale_jax.outputs import RequestOutput
 from metrale_jax.request import Request, RequestError, SamplingParams, check_context
 from metrale_jax.runner.model_runner import ModelRunner
@@ -26,7 +30,7 @@ from metrale_jax.scheduler.core import SchedulerCore
 from metrale_jax.scheduler.levers import Levers, LeverValues
 from metrale_jax.scheduler.policy import make_policy
 from metrale_jax.scheduler.snapshot import SchedulerSnapshot
-from metrale_jax.scheduler.state import OutputSink
+from metrale_jax.scheduler.state import LoadAdapter, OutputSink, UnloadAdapter
 from metrale_jax.sequence import Sequence, decode_logprobs
 from metrale_jax.spec.config import SpeculativeConfig
 from metrale_jax.spec.gate import GateConfig, MtpGate
@@ -56,7 +60,13 @@ class LLMEngine:
     def __init__(self, model: str | None = None, *, engine_config: EngineConfig | None = None,
                  clock: Clock | None = None, sink: OutputSink | None = None,
                  check_every_tick: bool = False, spill_backend=None, dtype: str | None = None,
-                 speculative_config=None, **engine_overrides):
+                 speculative_config=None, enable_lora: bool = False,
+                 max_loras: int | None = None, max_lora_rank: int | None = None,
+                 runner=None, adapter_loader: AdapterLoader | None = None,
+                 **engine_overrides):
+        """`enable_lora`, `max_loras`, `max_lora_rank`: vLLM's names for `EngineConfig.lora`.
+        `runner`: a runner built elsewhere instead of the model's (tests: the fake one);
+        `adapter_loader`: how adapter directories are read (default: PEFT)."""
         loaded = load(model, dtype)
         self.model_name = loaded.name
         self.model_config = loaded.config
@@ -66,6 +76,9 @@ class LLMEngine:
             speculative_config = model_default_speculation(loaded.config.num_mtp_modules)
         if speculative_config is not None:  # vLLM's name for it
             engine_overrides["speculative"] = speculative_config
+        lora = lora_config(enable_lora, max_loras, max_lora_rank)
+        if lora is not None:
+            engine_overrides["lora"] = lora
         if engine_overrides:
             engine = engine.replace(**engine_overrides)
         if engine.speculative is not None:
@@ -75,8 +88,14 @@ class LLMEngine:
                            engine.max_seq_len, loaded.name, loaded.config.max_position_embeddings)
             engine = engine.replace(max_seq_len=loaded.config.max_position_embeddings)
         self.engine_config = engine
-        self.runner = ModelRunner(loaded.model, engine,
-                                  num_snapshot_slots=engine.num_ssm_snapshots)
+        self.runner = runner or ModelRunner(loaded.model, engine,
+                                            num_snapshot_slots=engine.num_ssm_snapshots)
+        # Multi-LoRA: the registry of adapters (None: LoRA off); the scheduler owns its slots.
+        self.adapters = None
+        if engine.lora is not None:
+            self.adapters = AdapterRegistry(
+                engine.lora.max_loras,
+                adapter_loader or peft_loader(loaded.config, engine.lora))
         self._check_capacity()
         self._own_spill_dir = None
         if spill_backend is None and engine.enable_swap:
@@ -92,7 +111,7 @@ class LLMEngine:
             sink=sink or _NullSink(), max_seq_len=engine.max_seq_len,
             block_size=engine.block_size, spill=spill_backend,
             snapshot_slots=list(range(self.runner.num_seq_slots, self.runner.num_slots)),
-            check_every_tick=check_every_tick)
+            check_every_tick=check_every_tick, adapters=self.adapters)
         self._ids = itertools.count()
         self._seeds = random.Random(engine.seed)
         self._grammar = None                 # GrammarCompiler, built on first use
@@ -161,8 +180,10 @@ class LLMEngine:
 
     def make_request(self, prompt: PromptInput, params: SamplingParams, *, priority: int = 0,
                      request_id: str | None = None, max_tokens_must_fit: bool = False,
-                     ) -> Request:
-        """Validate and tokenize where the request enters; the loop gets a clean Request."""
+                     lora_name: str | None = None) -> Request:
+        """Validate and tokenize where the request enters; the loop gets a clean Request.
+        `lora_name`: a registered adapter (None: the base model)."""
+        self.check_adapter(lora_name)
         text, ids = self.prompt_ids(prompt)
         max_len = self.engine_config.max_seq_len
         check_context(len(ids), params.max_tokens, max_len,
@@ -177,10 +198,43 @@ class LLMEngine:
             seed=(base_seed + 0x9E3779B1 * i) & 0xFFFFFFFF,
             detok=self.tokenizer.incremental(ids, skip_special_tokens=params.skip_special_tokens),
             eos_token_id=self.tokenizer.eos_token_id, max_len=max_len, priority=priority,
-            want_prompt_logprobs=(i == 0 and params.prompt_logprobs is not None),
+            lora_name=lora_name, want_prompt_logprobs=(i == 0 and params.prompt_logprobs is not None),
             grammar_state=grammar.new_state(params.structured_outputs) if grammar else None)
             for i in range(params.n)]
         return Request(request_id, seqs, text)
+
+    # ---- adapters (multi-LoRA) ------------------------------------------------------------
+
+    def check_adapter(self, lora_name: str | None) -> None:
+        """Raises RequestError unless `lora_name` is None or a registered adapter."""
+        if lora_name is None:
+            return
+        if self.adapters is None:
+            raise RequestError("lora_request: LoRA is not enabled on this engine (start it "
+                               "with enable_lora=True)")
+        if lora_name not in self.adapters:
+            raise RequestError(f"lora_request: unknown adapter {lora_name!r}")
+
+    def ensure_adapter(self, lora_request: LoRARequest | None) -> str | None:
+        """The offline path: read and register the adapter a LoRARequest names (on the
+        caller's thread, never the engine's); returns its name. Raises RequestError."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise RequestError(f"lora_request: expected a LoRARequest or None, got "
+                               f"{type(lora_request).__name__}")
+        if self.adapters is None:
+            raise RequestError("lora_request: LoRA is not enabled on this engine (build "
+                               "LLM(..., enable_lora=True))")
+        try:
+            return self.adapters.ensure(lora_request).name
+        except LoraError as err:
+            raise RequestError(f"lora_request: {err}") from None
+
+    def submit_rotation(self, command: LoadAdapter | UnloadAdapter) -> None:
+        """Queue an adapter command; the engine thread applies it at the next quiescent
+        tick and calls its `ack` exactly once."""
+        self.core.inbox.submit(command)
 
     def compile_grammar(self, params: SamplingParams):
         """Compile the request's constraint on the calling thread (cached by its text);
@@ -235,6 +289,17 @@ class LLMEngine:
                 "compiled_variants": self.runner.counter.count}
 
 
+def lora_config(enable_lora: bool, max_loras: int | None, max_lora_rank: int | None,
+                ) -> LoraConfig | None:
+    """vLLM's three LoRA arguments as the validated config (None: LoRA off)."""
+    if not enable_lora:
+        if max_loras is not None or max_lora_rank is not None:
+            raise ValueError("max_loras/max_lora_rank: LoRA is off; pass enable_lora=True")
+        return None
+    given = {"max_loras": max_loras, "max_lora_rank": max_lora_rank}
+    return LoraConfig(**{k: v for k, v in given.items() if v is not None})
+
+
 def request_output(request: Request, tokenizer) -> RequestOutput:
     first = request.sequences[0]
     for seq in request.sequences:  # logprob entries leave the engine as token ids
@@ -268,7 +333,10 @@ class LLM:
 
     def generate(self, prompts: PromptInput | Seq[PromptInput],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
                  ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or a list with one entry per
+        prompt (None: the base model), as vLLM takes it (needs enable_lora=True)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -276,7 +344,9 @@ class LLM:
         if len(params_list) != len(prompts):
             raise RequestError(f"sampling_params: {len(params_list)} given for "
                                f"{len(prompts)} prompts")
-        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params_list)]
+        loras = self._lora_names(lora_request, len(prompts))
+        requests = [self.engine.make_request(p, sp, lora_name=lora)
+                    for p, sp, lora in zip(prompts, params_list, loras)]
         for request in requests:
             self.engine.submit(request)
         while not all(r.finished for r in requests):
@@ -284,10 +354,20 @@ class LLM:
         self.engine.drain()
         return [request_output(r, self.tokenizer) for r in requests]
 
-    def stream(self, prompt: PromptInput, params: SamplingParams | None = None):
+    def _lora_names(self, lora_request, num_prompts: int) -> list[str | None]:
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != num_prompts:
+                raise RequestError(f"lora_request: {len(lora_request)} given for "
+                                   f"{num_prompts} prompts")
+            return [self.engine.ensure_adapter(r) for r in lora_request]
+        return [self.engine.ensure_adapter(lora_request)] * num_prompts
+
+    def stream(self, prompt: PromptInput, params: SamplingParams | None = None,
+               lora_request: LoRARequest | None = None):
         """Yield the text of one completion as it is generated (held back only where it
         could still turn into a stop string)."""
-        request = self.engine.make_request(prompt, params or SamplingParams())
+        request = self.engine.make_request(prompt, params or SamplingParams(),
+                                           lora_name=self.engine.ensure_adapter(lora_request))
         self.engine.submit(request)
         seq = request.sequences[0]
         while not request.finished:

@@ -60,7 +60,11 @@ class Sequence:
     priority: int = 0
     arrival: float = 0.0
     order: int = 0                      # admission tie-breaker: submission order
-    adapter_id: int = 0                 # LoRA adapter (0: the base model)
+    # LoRA: the adapter the request named (None: the base model), checked where it enters;
+    # admission binds it to the adapter's version (`adapter_id`, the prefix-cache key) and
+    # device slot, which stay the sequence's for its life (parked and resumed included).
+    lora_name: str | None = None
+    adapter_id: int = 0                 # LoRA adapter version (0: the base model)
     adapter_slot: int = 0
     grammar_state: Any = None           # a grammar-constrained sequence is never spilled
     session_id: str | None = None

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale_jax.async_engine import AsyncLLM
 
-from server import admin, openapi
+from server import admin, lora_routes, openapi
 from server.openai_routes import (STATE, chat_completions, completions, read_body,
                                   render_chat)
 from server.protocol import APIError, chat_messages, get_bool, get_str
@@ -100,7 +100,7 @@ async def models(request: web.Request) -> web.Response:
         {"id": name, "object": "model", "created": now(), "owned_by": "metrale",
          "root": state.llm.limits.model_name, "parent": None,
          "max_model_len": state.limits.max_seq_len}
-        for name in state.limits.model_names]})
+        for name in state.limits.model_names] + lora_routes.adapter_models(state)})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -152,6 +152,7 @@ def create_app(llm: AsyncLLM, config: ServerConfig | None = None, *,
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     admin.add_routes(app)
+    lora_routes.add_routes(app)
     app.router.add_get("/openapi.json", openapi.openapi_json)
     app.cleanup_ctx.append(_watchdog)
     return app

@@ -58,7 +58,7 @@ class Generation:
                 engine_id = llm.submit({"prompt_token_ids": ids, "prompt": text}, params,
                                        queue=self.queue, key=i,
                                        request_id=f"{self.request_id}-{i}",
-                                       priority=parsed.priority)
+                                       priority=parsed.priority, lora_name=parsed.lora_name)
                 self.engine_ids.append(engine_id)
                 self.timers.append(RequestTimer(state.metrics, llm, len(ids)))
                 self.prompt_ids.append(ids)
@@ -83,6 +83,11 @@ class Generation:
             await asyncio.to_thread(self.state.llm.compile_grammar, self.parsed.params)
         except RequestError as err:
             raise compile_error(constraint, err) from None
+
+    @property
+    def model(self) -> str:
+        """The model name responses carry: the adapter the request named, else the base."""
+        return self.parsed.lora_name or self.state.model_name
 
     @property
     def prompt_tokens(self) -> int:

@@ -110,11 +110,34 @@ class EngineCollector:
         yield self._gauge("metrale:delivered_tokens_per_second",
                           "The MTP gate's delivered tokens/s (EMA); 0 without speculation.",
                           snap.delivered_tps)
+        if snap.max_loras:
+            yield from self._lora(snap)
         mode = GaugeMetricFamily("metrale:mtp_mode", "The MTP gate's mode this tick (1 for "
                                  "the current one).", labels=[*self.labels, "mode"])
         for name in ("off", "on", "probing"):
             mode.add_metric([*self.labels.values(), name], float(snap.mtp_mode == name))
         yield mode
+
+    def _lora(self, snap):
+        """Multi-LoRA. `lora_requests_info` has the shape of vLLM's `vllm:lora_requests_info`
+        (adapters as comma-separated label values, the snapshot's time as the value)."""
+        info = GaugeMetricFamily(
+            "metrale:lora_requests_info", "Running and waiting LoRA adapters.",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        info.add_metric([",".join(name for name, _ in snap.lora_running),
+                         ",".join(snap.lora_waiting), str(snap.max_loras)], snap.published_at)
+        yield info
+        yield self._gauge("metrale:lora_loaded_adapters", "Adapters holding a device slot.",
+                          len(snap.lora_loaded))
+        yield self._gauge("metrale:lora_rotations_waiting",
+                          "Adapter load/unload/replace commands waiting for a quiescent tick.",
+                          snap.rotations_waiting)
+        running = GaugeMetricFamily("metrale:lora_running_requests",
+                                    "Sequences running (prefilling or decoding) per adapter.",
+                                    labels=[*self.labels, "lora_name"])
+        for name, count in snap.lora_running:
+            running.add_metric([*self.labels.values(), name], count)
+        yield running
 
     def _phases(self, phases):
         summary = SummaryMetricFamily("metrale:tick_phase_duration_seconds",

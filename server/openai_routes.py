@@ -133,7 +133,7 @@ def _completion_body(state, gen: Generation, fold: Fold) -> dict:
             "prompt_logprobs": prompt_logprobs_json(fold.prompt_logprobs.get(prompt))
             if p.params.prompt_logprobs is not None else None})
     return {"id": gen.request_id, "object": "text_completion", "created": now(),
-            "model": state.model_name, "choices": choices, "usage": fold.usage(),
+            "model": gen.model, "choices": choices, "usage": fold.usage(),
             "system_fingerprint": None}
 
 
@@ -161,7 +161,7 @@ async def _stream_completion(state, gen: Generation, fold: Fold, deltas, sse: SS
         choice.started = True
         finish, stop_reason = finish_fields(choice, ()) if delta.finish_reason else (None, None)
         body = {"id": gen.request_id, "object": "text_completion", "created": created,
-                "model": state.model_name,
+                "model": gen.model,
                 "choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
                              "finish_reason": finish, "stop_reason": stop_reason}]}
         if p.continuous_usage:
@@ -169,7 +169,7 @@ async def _stream_completion(state, gen: Generation, fold: Fold, deltas, sse: SS
         await sse.send(body)
     if p.include_usage:
         await sse.send({"id": gen.request_id, "object": "text_completion", "created": created,
-                        "model": state.model_name, "choices": [], "usage": fold.usage()})
+                        "model": gen.model, "choices": [], "usage": fold.usage()})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -230,7 +230,7 @@ def _chat_body(state, gen: Generation, fold: Fold) -> dict:
                         "logprobs": _chat_logprobs(state, p, c.token_ids, c.logprobs),
                         "finish_reason": finish, "stop_reason": stop_reason})
     return {"id": gen.request_id, "object": "chat.completion", "created": now(),
-            "model": state.model_name, "choices": choices, "usage": fold.usage(),
+            "model": gen.model, "choices": choices, "usage": fold.usage(),
             "prompt_logprobs": prompt_logprobs_json(fold.prompt_logprobs.get(0))
             if p.params.prompt_logprobs is not None else None,
             "system_fingerprint": None}
@@ -241,7 +241,7 @@ async def _stream_chat(state, gen: Generation, fold: Fold, deltas, sse: SSEStrea
 
     def chunk(index: int, delta: dict, logprobs=None, finish=None, stop_reason=None) -> dict:
         body = {"id": gen.request_id, "object": "chat.completion.chunk", "created": created,
-                "model": state.model_name,
+                "model": gen.model,
                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                              "finish_reason": finish, "stop_reason": stop_reason}]}
         if p.continuous_usage:
@@ -269,7 +269,7 @@ async def _stream_chat(state, gen: Generation, fold: Fold, deltas, sse: SSEStrea
                              finish, stop_reason))
     if p.include_usage:
         await sse.send({"id": gen.request_id, "object": "chat.completion.chunk",
-                        "created": created, "model": state.model_name, "choices": [],
+                        "created": created, "model": gen.model, "choices": [],
                         "usage": fold.usage()})
 
 

@@ -17,7 +17,7 @@ import typing
 from aiohttp import web
 
 from metrale_jax import __version__
-from metrale_jax.scheduler.levers import LeverValues
+from metrale_jax.scheduler.levers import ZERO_ALLOWED, LeverValues
 from metrale_jax.scheduler.snapshot import SchedulerSnapshot
 
 from server import protocol as P
@@ -69,7 +69,18 @@ def _dataclass_schema(cls: type) -> dict:
     """The JSON object `dataclasses.asdict` makes of `cls`, typed from its annotations."""
     hints = typing.get_type_hints(cls)
     fields = [f.name for f in dataclasses.fields(cls)]
-    return _obj({name: dict(_JSON_TYPES[hints[name]]) for name in fields}, tuple(fields))
+    return _obj({name: _type_schema(hints[name]) for name in fields}, tuple(fields))
+
+
+def _type_schema(hint) -> dict:
+    """A field's JSON type: tuples (the snapshot's LoRA fields) become arrays."""
+    if typing.get_origin(hint) is tuple:
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return _arr(_type_schema(args[0]))
+        return _arr({"anyOf": [_type_schema(a) for a in dict.fromkeys(args)]},
+                    minItems=len(args), maxItems=len(args))
+    return dict(_JSON_TYPES[hint])
 
 
 # ---- request bodies -------------------------------------------------------------------------
@@ -136,7 +147,9 @@ def _sampling_fields(limits: P.Limits) -> dict:
     """The fields /v1/completions and /v1/chat/completions share (protocol.sampling_params)."""
     token = _int(0, limits.vocab_size - 1)
     return {
-        "model": _null({"enum": list(limits.model_names)}),
+        "model": _null({"enum": list(limits.model_names)} if limits.has_adapter is None else
+                       {**STR, "description": f"{list(limits.model_names)} or a loaded LoRA "
+                                              "adapter (GET /v1/models)"}),
         "n": _null(_int(1, P.MAX_N)),
         "temperature": _null(_num(0.0, 2.0)),
         "top_p": _null(_num(0.0, 1.0, open_lo=True)),
@@ -291,7 +304,7 @@ def _endpoint_schemas(limits: P.Limits) -> dict:
     levers = _dataclass_schema(LeverValues)
     for name, spec in levers["properties"].items():  # the checks of Levers._validated
         if spec["type"] == "integer":
-            spec["minimum"] = 1
+            spec["minimum"] = 0 if name in ZERO_ALLOWED else 1
     levers["properties"]["admit_watermark"].update(minimum=0.0, exclusiveMaximum=1.0)
     model = _obj({"id": STR, "object": {"const": "model"}, "created": INT, "owned_by": STR,
                   "root": STR, "parent": _null(STR), "max_model_len": INT}, ("id", "object"))
@@ -313,6 +326,15 @@ def _endpoint_schemas(limits: P.Limits) -> dict:
                                "counters": {"type": "object"}, "compiled_variants": _int(0)},
                               ("snapshot", "now", "counters", "compiled_variants")),
         "Levers": levers,
+        "LoadLoraAdapterRequest": _obj(
+            {"lora_name": {"type": "string", "minLength": 1},
+             "lora_path": {"type": "string", "minLength": 1, "description": "a PEFT adapter "
+                           "directory inside the server's --lora-dir (absolute or relative "
+                           "to it)"},
+             "load_inplace": {**BOOL, "description": "replace the weights of a loaded name"}},
+            ("lora_name", "lora_path")),
+        "UnloadLoraAdapterRequest": _obj({"lora_name": {"type": "string", "minLength": 1}},
+                                         ("lora_name",)),
         "LeverChanges": {**levers, "required": [], "additionalProperties": False,
                          "description": "any subset of the levers; integers at most the "
                                         "limits the step buckets were compiled for"},
@@ -369,6 +391,14 @@ def _paths() -> dict:
                                     body="DetokenizeRequest", errors=post_errors)},
         "/v1/admin/snapshot": {"get": _op("the scheduler snapshot and counters",
                                           _json(_ref("AdminSnapshot")))},
+        "/v1/load_lora_adapter": {"post": _op(
+            "load a LoRA adapter (answered once the engine applied it)",
+            {"text/plain": {"schema": STR}}, body="LoadLoraAdapterRequest",
+            errors=(*post_errors, "503"))},
+        "/v1/unload_lora_adapter": {"post": _op(
+            "unload a LoRA adapter (answered once the engine applied it)",
+            {"text/plain": {"schema": STR}}, body="UnloadLoraAdapterRequest",
+            errors=(*post_errors, "503"))},
         "/v1/admin/levers": {
             "get": _op("the runtime levers", _json(_ref("Levers"))),
             "post": _op("change levers; answers all of them", _json(_ref("Levers")),

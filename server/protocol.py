@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
 from metrale_jax.outputs import StreamDelta
@@ -185,6 +186,8 @@ class ParsedRequest:
     constraint: Any = None
     # Chat tool calls: how the constrained reply becomes `tool_calls` (server.tools).
     tool_calling: Any = None
+    # The LoRA adapter the body's `model` names (None: the base model).
+    lora_name: str | None = None
 
     def params_for(self, prompt_len: int, limits: "Limits") -> SamplingParams:
         """The sampling parameters for one prompt (the engine checks them against the
@@ -203,18 +206,26 @@ class Limits:
     max_seq_len: int
     max_logprobs: int
     vocab_size: int
+    # LoRA on: whether a name is a loaded adapter (the set changes while serving); None: off.
+    has_adapter: Callable[[str], bool] | None = None
 
 
-def check_model(body: dict, limits: Limits) -> None:
+def check_model(body: dict, limits: Limits) -> str | None:
+    """The adapter the body's `model` names, or None for the base model (or no model:
+    vLLM's leniency). An unknown name is a 404 `model_not_found`, as OpenAI and vLLM."""
     model = body.get("model")
     if model is None:
-        return  # vLLM's leniency: the one served model
+        return None  # vLLM's leniency: the one served model
     if not isinstance(model, str):
         raise bad("model", f"expected a string, got {json.dumps(model)}")
-    if model not in limits.model_names:
-        raise APIError(404, f"model: the model `{model}` does not exist; this server "
-                            f"serves {list(limits.model_names)}", param="model",
-                       code="model_not_found")
+    if model in limits.model_names:
+        return None
+    if limits.has_adapter is not None and limits.has_adapter(model):
+        return model
+    adapters = " or a loaded LoRA adapter (GET /v1/models)" if limits.has_adapter else ""
+    raise APIError(404, f"model: the model `{model}` does not exist; this server "
+                        f"serves {list(limits.model_names)}{adapters}", param="model",
+                   code="model_not_found")
 
 
 def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
@@ -408,7 +419,7 @@ def _prompts(body: dict, limits: Limits) -> list:
 
 
 def parse_completion(body: dict, limits: Limits) -> ParsedRequest:
-    check_model(body, limits)
+    lora_name = check_model(body, limits)
     refuse_unbuilt(body)
     refuse_chat_only(body)
     prompts = _prompts(body, limits)
@@ -436,7 +447,7 @@ def parse_completion(body: dict, limits: Limits) -> ParsedRequest:
                          get_int(body, "priority", 0), None,
                          default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
                          continuous_usage=continuous, score_only=score_only,
-                         constraint=constraint)
+                         constraint=constraint, lora_name=lora_name)
 
 
 def score_only_delta(delta: StreamDelta) -> StreamDelta:
@@ -488,7 +499,7 @@ def chat_messages(body: dict) -> list[dict]:
 
 def parse_chat(body: dict, limits: Limits) -> tuple[ParsedRequest, list[dict], dict]:
     """The parsed request (its prompt still to render), the messages, template options."""
-    check_model(body, limits)
+    lora_name = check_model(body, limits)
     refuse_unbuilt(body)
     messages = chat_messages(body)
     stream = get_bool(body, "stream")
@@ -518,5 +529,6 @@ def parse_chat(body: dict, limits: Limits) -> tuple[ParsedRequest, list[dict], d
     include_usage, continuous = _stream_options(body, stream)
     parsed = ParsedRequest([], params, stream, include_usage, False,
                            get_int(body, "priority", 0), logprobs, continuous_usage=continuous,
-                           constraint=constraint, tool_calling=tool_calling)
+                           constraint=constraint, tool_calling=tool_calling,
+                           lora_name=lora_name)
     return parsed, messages, options

@@ -12,6 +12,7 @@ This module imports nothing heavy at import time: the CLI builds its parser chea
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import pathlib
@@ -28,6 +29,21 @@ def _ladder(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated sizes, got {text!r}") from None
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """vLLM's `--lora-modules` entry: name=path, or {"name": ..., "path": ...}."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+            return str(spec["name"]), str(spec["path"])
+        except (ValueError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(f"expected name=path or a JSON object with name "
+                                             f"and path, got {text!r}") from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return name, path
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -81,6 +97,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
     for name in ("token", "seq", "prefill-seq", "query", "block"):
         e.add_argument(f"--{name}-buckets", type=_ladder, default=None,
                        help="comma-separated bucket sizes (overrides --ladders)")
+    lora = p.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    lora.add_argument("--lora-modules", type=_lora_module, nargs="+", default=None,
+                      metavar="NAME=PATH", help="adapters loaded at start (PEFT directories); "
+                      "a request's model field names one")
+    lora.add_argument("--max-loras", type=int, default=None,
+                      help="adapters on the device at once (default 4)")
+    lora.add_argument("--max-lora-rank", type=int, default=None,
+                      help="the largest adapter rank (default 16)")
+    lora.add_argument("--lora-dir", default=None,
+                      help="allow POST /v1/load_lora_adapter for directories inside DIR "
+                           "(default: runtime loading is refused)")
     p.set_defaults(func=main)
     return p
 
@@ -96,11 +124,26 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   enable_prefix_cache=not args.no_prefix_cache,
                   enable_pipeline=not args.no_pipeline, enable_swap=not args.no_swap,
                   seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, ladders=args.ladders)
+    kwargs.update(lora_kwargs(args))
     for name in ("token", "seq", "prefill_seq", "query", "block"):
         ladder = getattr(args, f"{name}_buckets")
         if ladder is not None:
             kwargs[f"{name}_buckets"] = ladder
     return kwargs
+
+
+def lora_kwargs(args: argparse.Namespace) -> dict:
+    """The engine's LoRA arguments; LoRA options without --enable-lora are an error."""
+    if not args.enable_lora:
+        given = [flag for flag, value in (("--lora-modules", args.lora_modules),
+                                          ("--max-loras", args.max_loras),
+                                          ("--max-lora-rank", args.max_lora_rank),
+                                          ("--lora-dir", args.lora_dir)) if value is not None]
+        if given:
+            raise SystemExit(f"{', '.join(given)}: needs --enable-lora")
+        return {}
+    return {"enable_lora": True, "max_loras": args.max_loras,
+            "max_lora_rank": args.max_lora_rank}
 
 
 def speculative_arg(args: argparse.Namespace) -> str | None:
@@ -141,6 +184,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> int:
     from aiohttp import web
 
     from metrale_jax.async_engine import AsyncLLM
+    from metrale_jax.lora.weights import LoraError
     from server.app import create_app
     from server.openai_routes import STATE
     from server.state import ServerConfig
@@ -149,7 +193,13 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> int:
                    **engine_kwargs(args))
     config = ServerConfig(served_model_names=tuple(args.served_model_name or ()),
                           api_key=api_key, max_waiting=args.max_waiting,
-                          max_body_bytes=args.max_body_bytes)
+                          max_body_bytes=args.max_body_bytes, lora_dir=args.lora_dir)
+    for name, path in args.lora_modules or ():  # read before the port opens
+        try:
+            await asyncio.to_thread(llm.register_adapter, name, path)
+        except LoraError as err:
+            raise SystemExit(f"--lora-modules: {err}") from None
+        logger.info("LoRA adapter %r from %s", name, path)
     app = create_app(llm, config, status="starting")
     state = app[STATE]
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

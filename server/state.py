@@ -29,6 +29,9 @@ class ServerConfig:
     max_waiting: int = DEFAULT_MAX_WAITING     # sequences beyond the batch before 429
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     watchdog_interval_s: float = 0.25          # how often the engine thread is checked
+    # Runtime LoRA loading (POST /v1/load_lora_adapter, /v1/unload_lora_adapter) is allowed
+    # only for adapter directories inside this one (None: refused).
+    lora_dir: str | None = None
 
 
 class EngineDead(Exception):
@@ -41,7 +44,8 @@ class ServerState:
         engine = llm.limits
         names = config.served_model_names or (engine.model_name,)
         self.limits = Limits(model_names=tuple(names), max_seq_len=engine.max_seq_len,
-                             max_logprobs=engine.max_logprobs, vocab_size=engine.vocab_size)
+                             max_logprobs=engine.max_logprobs, vocab_size=engine.vocab_size,
+                             has_adapter=llm.has_adapter if engine.max_loras else None)
         self.model_name = names[0]
         self.metrics = ServerMetrics(llm, self.model_name)
         self.open_seqs = 0

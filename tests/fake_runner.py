@@ -5,6 +5,11 @@ slot. A row's next token is a function of the tokens it can see through its bloc
 and of its SSM state, so a wrong block, a stale state or a missed swap-in changes the
 output, exactly as it would on a real model. Run alone, a sequence's continuation is
 `reference_continuation`.
+
+LoRA: each adapter slot holds the `LoraWeights` loaded into it, and a row computes with the
+code of the weights in its `adapter_slot` (`adapter_code`): it is mixed into every KV entry
+and SSM state update as well as the token, so a row run on the wrong slot, with replaced
+weights, or reusing another adapter's cached prefix or SSM snapshot, gives another token.
 """
 
 from __future__ import annotations
@@ -16,21 +21,34 @@ import numpy as np
 from metrale_jax.types import RowResult, StepHandle
 
 VOCAB = 97
+_KV_CODE = 1000  # a KV entry is token + code * _KV_CODE: the adapter shows in the cache
 
 
-def next_token(tokens: list[int]) -> int:
-    """What a sequence whose tokens are `tokens` produces next (the ground truth)."""
+def adapter_code(weights) -> int:
+    """The fake's stand-in for what an adapter changes: a small number from its weights
+    object (name and scaling, so a replace with other weights changes it); 0: none."""
+    if weights is None:
+        return 0
+    return 1 + (sum(map(ord, weights.name)) * 7 + int(weights.scaling * 1000)) % 89
+
+
+def next_token(tokens: list[int], code: int = 0) -> int:
+    """What a sequence whose tokens are `tokens` produces next (the ground truth), under the
+    adapter whose `adapter_code` is `code`."""
     state = 0
     for t in tokens:
-        state = (state * 31 + t + 1) % 1_000_003
-    visible = sum((i + 1) * t for i, t in enumerate(tokens))
-    return (visible + state) % VOCAB
+        state = (state * 31 + t + 1 + code) % 1_000_003
+    visible = sum((i + 1) * (t + code * _KV_CODE) for i, t in enumerate(tokens))
+    return (visible + state + code) % VOCAB
 
 
-def reference_continuation(prompt: list[int], n: int, eos: int | None = None) -> list[int]:
+def reference_continuation(prompt: list[int], n: int, eos: int | None = None,
+                           adapter=None) -> list[int]:
+    """`adapter`: the LoraWeights the sequence runs under (None: the base model)."""
+    code = adapter_code(adapter)
     out = []
     for _ in range(n):
-        t = next_token(prompt + out)
+        t = next_token(prompt + out, code)
         out.append(t)
         if t == eos:
             break
@@ -44,7 +62,7 @@ class _Ladders:
 
 class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int, max_batch: int, has_ssm: bool = True,
-                 num_snapshot_slots: int = 4):
+                 num_snapshot_slots: int = 4, max_loras: int = 0):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_seq_slots = max_batch + 1
         self.num_slots = self.num_seq_slots + (num_snapshot_slots if has_ssm else 0)
@@ -55,23 +73,40 @@ class FakeRunner:
         self.future = np.zeros(self.num_slots, np.int64)
         self.steps = 0
         self.gather_calls = 0
+        self.max_loras = max_loras
+        self.adapters: list = [None] * (max_loras + 1)  # slot -> LoraWeights (0: none)
+        self.adapter_calls: list[tuple] = []             # ("load", slot, name) / ("unload", slot)
+        self.counter = _Counter()
+
+    def load_adapter(self, slot: int, weights) -> None:
+        assert 1 <= slot <= self.max_loras, slot
+        self.adapters[slot] = weights
+        self.adapter_calls.append(("load", slot, weights.name))
+
+    def unload_adapter(self, slot: int) -> None:
+        assert 1 <= slot <= self.max_loras, slot
+        self.adapters[slot] = None
+        self.adapter_calls.append(("unload", slot))
 
     def dispatch(self, rows) -> StepHandle:
         results = []
         for row in rows:
             chunk = row
             table = list(chunk.block_table)
+            code = adapter_code(self.adapters[row.adapter_slot]) if row.adapter_slot else 0
             state = 0 if chunk.start == 0 else int(self.ssm[chunk.ssm_slot])
             for i, tok in enumerate(chunk.tokens):
                 tok = int(self.future[-tok]) if tok < 0 else tok
                 pos = chunk.start + i
-                self.kv[table[pos // self.block_size], pos % self.block_size] = tok
-                state = (state * 31 + tok + 1) % 1_000_003
+                self.kv[table[pos // self.block_size], pos % self.block_size] = \
+                    tok + code * _KV_CODE
+                state = (state * 31 + tok + 1 + code) % 1_000_003
             end = chunk.end
             seen = [int(self.kv[table[p // self.block_size], p % self.block_size])
                     for p in range(end)]
             visible = sum((i + 1) * t for i, t in enumerate(seen))
-            token = (visible + (state if self.has_ssm else _state_of(seen))) % VOCAB
+            ssm = state if self.has_ssm else _state_of(seen)
+            token = (visible + ssm + code) % VOCAB
             token = _apply_bias(token, row.sampling)
             self.ssm[chunk.ssm_slot] = state
             self.future[chunk.ssm_slot] = token
@@ -110,11 +145,17 @@ class FakeRunner:
             self.future[list(dst)] = self.future[list(src)]
 
 
-def _state_of(tokens: list[int]) -> int:
+def _state_of(kv: list[int]) -> int:
+    """The SSM-less fake's state, from KV entries (token + code * _KV_CODE)."""
     state = 0
-    for t in tokens:
-        state = (state * 31 + t + 1) % 1_000_003
+    for entry in kv:
+        t, code = entry % _KV_CODE, entry // _KV_CODE
+        state = (state * 31 + t + 1 + code) % 1_000_003
     return state
+
+
+class _Counter:
+    count = 0  # compiled variants: the fake compiles nothing
 
 
 def _apply_bias(token: int, sampling) -> int:

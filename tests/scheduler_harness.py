@@ -9,6 +9,8 @@ import numpy as np
 
 from metrale_jax.cache.spill import SpillStore
 from metrale_jax.default_model import ASSET_DIR
+from metrale_jax.lora.registry import AdapterRegistry
+from metrale_jax.lora.weights import LoraWeights
 from metrale_jax.request import Request, SamplingParams
 from metrale_jax.scheduler.core import SchedulerCore
 from metrale_jax.scheduler.levers import Levers, LeverValues
@@ -37,12 +39,17 @@ def make_core(*, num_blocks: int = 64, block_size: int = 4, max_batch: int = 4,
               budget: int = 16, chunk: int = 8, swap: bool = True, pipeline: bool = True,
               prefix: bool = True, has_ssm: bool = True, watermark: float = 0.0,
               max_seq_len: int = 64, policy: str = "fcfs", spill=None,
-              spill_dir: str | None = None) -> SchedulerCore:
-    runner = FakeRunner(num_blocks, block_size, max_batch, has_ssm=has_ssm)
+              spill_dir: str | None = None, max_loras: int = 0,
+              rotation_hold_ticks: int = 16) -> SchedulerCore:
+    """`max_loras` > 0: LoRA on, with an `AdapterRegistry` whose loader builds
+    `fake_weights` (register adapters with `add_adapter`)."""
+    runner = FakeRunner(num_blocks, block_size, max_batch, has_ssm=has_ssm,
+                        max_loras=max_loras)
     levers = Levers(LeverValues(
         max_tokens_per_tick=budget, max_batch_size=max_batch, admit_watermark=watermark,
         prefill_chunk_size=chunk, swap_enabled=swap, pipeline_enabled=pipeline,
-        prefix_cache_enabled=prefix), {"max_tokens_per_tick": budget,
+        prefix_cache_enabled=prefix, rotation_hold_ticks=rotation_hold_ticks),
+        {"max_tokens_per_tick": budget,
                                        "max_batch_size": max_batch, "prefill_chunk_size": 64})
     if spill is None and swap:
         spill = SpillStore(pathlib.Path(spill_dir or tempfile.mkdtemp(prefix="fake-spill-")))
@@ -51,19 +58,38 @@ def make_core(*, num_blocks: int = 64, block_size: int = 4, max_batch: int = 4,
         clock=FakeClock(step=0.001), sink=RecordingSink(), max_seq_len=max_seq_len,
         block_size=block_size, spill=spill,
         snapshot_slots=list(range(runner.num_seq_slots, runner.num_slots)),
-        check_every_tick=True)
+        check_every_tick=True,
+        adapters=AdapterRegistry(max_loras, fake_loader) if max_loras else None)
+
+
+def fake_weights(name: str, scaling: float = 1.0) -> LoraWeights:
+    """An adapter for the fake runner: only its name and scaling matter (`adapter_code`)."""
+    return LoraWeights(name=name, rank=4, scaling=scaling, targets={})
+
+
+def fake_loader(name: str, path: str) -> LoraWeights:
+    """Reads nothing: the path's last part, when a number, is the scaling."""
+    tail = pathlib.Path(path).name
+    return fake_weights(name, float(tail) if tail.replace(".", "", 1).isdigit() else 1.0)
+
+
+def add_adapter(core: SchedulerCore, name: str, scaling: float = 1.0) -> LoraWeights:
+    """Register an adapter (no slot yet: the cohort gate loads it on demand)."""
+    weights = fake_weights(name, scaling)
+    core.cohort.registry.register(name, f"/adapters/{name}", weights)
+    return weights
 
 
 _ids = iter(range(10**9))
 
 
 def make_request(prompt: list[int], max_tokens: int = 6, *, n: int = 1, priority: int = 0,
-                 max_len: int = 64, **params) -> Request:
+                 max_len: int = 64, lora: str | None = None, **params) -> Request:
     rid = f"r{next(_ids)}"
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, n=n, **params)
     seqs = [Sequence(request_id=rid, index=i, prompt_ids=list(prompt), params=sp, seed=i,
                      detok=TOKENIZER.incremental(prompt), eos_token_id=None, max_len=max_len,
-                     priority=priority,
+                     priority=priority, lora_name=lora,
                      want_prompt_logprobs=(i == 0 and sp.prompt_logprobs is not None))
             for i in range(n)]
     return Request(rid, seqs, None)

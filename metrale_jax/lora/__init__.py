@@ -7,6 +7,7 @@ hand-off between the two: an adapter read from a PEFT directory, as host arrays.
 """
 
 from metrale_jax.lora.config import LoraConfig
+from metrale_jax.lora.request import LoRARequest
 from metrale_jax.lora.weights import LoraError, LoraWeights
 
-__all__ = ["LoraConfig", "LoraError", "LoraWeights"]
+__all__ = ["LoRARequest", "LoraConfig", "LoraError", "LoraWeights"]

@@ -15,7 +15,8 @@ The parts (mini-sglang's shape: small collaborators, the core orchestrates):
   commit.py   applying a step's results; returns the sequences it touched
   settle.py   must_settle: every reason to wait for the step running ahead
   faults.py   a step that raises fails its own requests; several in a row stop the loop
-  inbox.py, state.py (Pending, TickPlan), levers.py, policy.py, snapshot.py
+  adapters.py the adapter cohort (which sequences may start) and the rotation hold
+  inbox.py, state.py (Pending, TickPlan, rotations), levers.py, policy.py, snapshot.py
 The contract with the runner is `metrale_jax.types`.
 
 One tick, in the seed's phase order (`SchedulerCore.tick` = `plan_tick` + `run_lanes`):
@@ -24,11 +25,16 @@ One tick, in the seed's phase order (`SchedulerCore.tick` = `plan_tick` + `run_l
                   are parked (swapped or preempted): they resume first.
   2. gate       — hold back what does not fit the KV pool above the admit watermark (with
                   spilling on, reclaimable and spillable blocks count as room); reject a
-                  prompt that can never fit `max_seq_len` or the pool, with an error.
+                  prompt that can never fit `max_seq_len` or the pool, with an error. The
+                  adapter cohort: a sequence whose LoRA adapter holds no device slot waits
+                  (others pass it), and queued rotations hold all new work after
+                  `rotation_hold_ticks` (`adapters`).
   3. settle     — if a step runs ahead of the host and this tick starts or continues a
                   prefill or resumes a parked sequence, wait for it and apply its results.
   4. snapshot   — publish the SchedulerSnapshot (what /metrics and the admin API read).
-  5. rotations  — queued adapter commands run only when nothing is active anywhere.
+  5. rotations  — queued adapter commands run only when nothing is active anywhere (parked
+                  included), each acknowledged once; then the adapters the head of the
+                  waiting queue needs are loaded, evicting least recently used ones.
   6. shutdown   — on an idle tick, poll the inbox; stop once it is closed and every accepted
                   request is finished or answered.
   7. swap-out   — for each admitted prompt, reclaim cached prefix blocks (never its own

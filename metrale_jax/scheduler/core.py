@@ -18,8 +18,10 @@ import itertools
 import logging
 
 from metrale_jax.cache.spill import SpillBackend
+from metrale_jax.lora.registry import AdapterRegistry
 from metrale_jax.request import Request
 from metrale_jax.scheduler import phases
+from metrale_jax.scheduler.adapters import AdapterCohort, RotationHold
 from metrale_jax.scheduler.commit import Committed, commit_step
 from metrale_jax.scheduler.faults import EngineFailed, StepFailures
 from metrale_jax.scheduler.inbox import Inbox, Received
@@ -42,7 +44,8 @@ class SchedulerCore:
     def __init__(self, *, runner: Runner, levers: Levers, policy: AdmissionPolicy,
                  clock: Clock, sink: OutputSink, max_seq_len: int, block_size: int,
                  spill: SpillBackend | None = None, snapshot_slots: list[int] | None = None,
-                 check_every_tick: bool = False, gate: MtpGate | None = None):
+                 check_every_tick: bool = False, gate: MtpGate | None = None,
+                 adapters: AdapterRegistry | None = None):
         self.runner, self.levers, self.policy = runner, levers, policy
         # Speculative decoding: the gate picks the plain or the speculative step per tick.
         self.gate = gate
@@ -58,6 +61,10 @@ class SchedulerCore:
         self.parking = Parking(runner=runner, memory=self.memory, spill=spill, tel=self.tel,
                                clock=clock)
         self.inbox = Inbox()
+        # Multi-LoRA: which adapter holds which slot (None: LoRA off) and the hold that
+        # lets queued rotations reach a quiescent tick.
+        self.cohort = AdapterCohort(adapters, runner)
+        self.rotation_hold = RotationHold()
         self.pending = Pending()
         self.active: list[Sequence] = []       # decoding
         self.prefilling: list[Sequence] = []   # prompt (or a recompute) partly in the caches
@@ -105,11 +112,15 @@ class SchedulerCore:
         return True
 
     def plan_tick(self) -> TickPlan:
-        t = self.clock.now()
+        t, tick = self.clock.now(), self.steps_total
         self.absorb(self.inbox.recv(wait=False))
+        hold = self._rotation_holds(tick)
         new = phases.drain_pending(self.pending, self.policy, self.levers_now,
-                                   len(self.active) + len(self.prefilling), bool(self.parking))
+                                   len(self.active) + len(self.prefilling), bool(self.parking),
+                                   hold=hold, ready=self.cohort.ready)
         new = self._gate(new)
+        for seq in new:
+            self.cohort.bind(seq, tick)
         self.tel.mark(Phase.DRAIN, t)
         self._settle_if(batch_changes=bool(new or self.prefilling or self.parking))
         t = self.clock.now()
@@ -118,7 +129,11 @@ class SchedulerCore:
         self.tel.mark(Phase.SNAPSHOT, t)
         t = self.clock.now()
         busy = bool(self.active or self.prefilling or new or self.parking)
-        rotated = phases.apply_rotations(self.pending, quiet=not busy)
+        rotated = phases.apply_rotations(self.pending, quiet=not busy,
+                                         apply=self.cohort.apply,
+                                         cohort_round=self._load_cohort)
+        if rotated:
+            self.rotation_hold.rotated(tick)
         self.tel.mark(Phase.ROTATIONS, t)
         idle = not (rotated or busy or self.pending.waiting)
         if phases.should_shut_down(self.pending, idle, self._poll_inbox):
@@ -189,6 +204,34 @@ class SchedulerCore:
         for seq, reason in rejected:
             self.fail_sequence(seq, reason)
         return admitted
+
+    # ---- adapters and rotations (`adapters`) ---------------------------------------------
+
+    def _rotation_holds(self, tick: int) -> bool:
+        """Phase 1's input: hold new work so queued rotations reach quiescence? Waiting
+        sequences whose adapter was unloaded meanwhile are answered here."""
+        for seq, reason in self.cohort.lost(self.pending.waiting):
+            if not seq.finished:
+                self.fail_sequence(seq, reason)
+        wanted = self.cohort.wanted(self.pending.waiting) if self.cohort.registry else []
+        quiet = not (self.active or self.prefilling or self.parking)
+        return self.rotation_hold.holds(tick, bool(self.pending.rotations or wanted), quiet,
+                                        self.levers_now.rotation_hold_ticks)
+
+    def _load_cohort(self) -> bool:
+        """Phase 5, after the queued commands: load the adapters the head of the waiting
+        queue needs; requests waiting for an adapter that failed to load get the error."""
+        if self.cohort.registry is None:
+            return False
+        ordered = self.policy.order(self.pending.waiting)
+        if not self.cohort.wanted(ordered):
+            return False
+        for name, exc in self.cohort.load_cohort(ordered):
+            for seq in [s for s in self.pending.waiting if s.lora_name == name]:
+                if not seq.finished:
+                    self.fail_sequence(seq, f"lora: adapter {name!r} could not be loaded: "
+                                            f"{exc}")
+        return True
 
     def _prepare_lanes(self, plan: TickPlan) -> None:
         """Resume parked sequences, then start the admitted prefills."""
@@ -459,7 +502,9 @@ class SchedulerCore:
         self.tel.publish(phases.build_snapshot(
             active=self.active, prefilling=self.prefilling, num_parked=self.parking.parked,
             new=new, pending=self.pending, memory=self.memory, num_requests=len(self.requests),
-            steps_total=self.steps_total, now=self.clock.now(), gate=self.gate))
+            steps_total=self.steps_total, now=self.clock.now(), gate=self.gate,
+            lora=self.cohort.view(self.active + self.prefilling, self.pending.waiting,
+                                  len(self.pending.rotations))))
 
     @property
     def pool(self):

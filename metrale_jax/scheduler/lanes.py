@@ -70,7 +70,8 @@ def _row(seq: Sequence, chunk: list[int], drafts: list[int] = (), spec_depth: in
     follow = seq.all_ids[end:end + spec_depth] if spec_depth and not samples else ()
     scheduled = ScheduledRow(chunk + list(drafts), start, seq.block_table, seq.slot,
                              seq.row_sampling(), targets, seq.uid, num_drafts=len(drafts),
-                             follow=follow, token_mask=grammar_mask(seq, samples))
+                             follow=follow, token_mask=grammar_mask(seq, samples),
+                             adapter_slot=seq.adapter_slot)
     return PackedRow(seq, seq.epoch, samples, scheduled)
 
 

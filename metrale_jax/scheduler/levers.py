@@ -28,9 +28,18 @@ class LeverValues:
     # The MTP gate's policy: auto (speculate where it pays) / on / off. Only "off" exists
     # where speculative decoding is not configured.
     mtp_policy: str = "off"
+    # How many ticks a queued rotation (an adapter load, unload or replace, or the cohort
+    # gate's load of an adapter that waiting requests need) lets new work keep being
+    # admitted before admission holds everything so the engine drains to the quiescence
+    # rotations need. Counted in ticks, not seconds, so the bound on a request's wait is
+    # one a test can state exactly: 0 drains at once (rotations first), a large value lets
+    # requests for resident adapters run longer (throughput first); neither side starves,
+    # as the hold always ends with the rotation and the tick after it always admits.
+    rotation_hold_ticks: int = 16
 
 
 MTP_POLICIES = ("auto", "on", "off")
+ZERO_ALLOWED = ("rotation_hold_ticks",)  # integer levers whose floor is 0, not 1
 
 
 class Levers:
@@ -74,8 +83,9 @@ class Levers:
             if not ok:
                 raise LeverError(f"{f.name}: expected {want.__name__}, got {value!r}")
             limit = self._limits.get(f.name)
-            if want is int and not 1 <= value <= (limit or value):
-                raise LeverError(f"{f.name}: must be in [1, {limit}], got {value}")
+            low = 0 if f.name in ZERO_ALLOWED else 1
+            if want is int and not low <= value <= (limit or value):
+                raise LeverError(f"{f.name}: must be in [{low}, {limit}], got {value}")
         if not 0.0 <= v.admit_watermark < 1.0:
             raise LeverError(f"admit_watermark: must be in [0, 1), got {v.admit_watermark}")
         return v

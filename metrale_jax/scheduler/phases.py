@@ -22,14 +22,19 @@ logger = logging.getLogger(__name__)
 
 
 def drain_pending(pending: Pending, policy: AdmissionPolicy, levers: LeverValues,
-                  num_running: int, has_parked: bool) -> list[Sequence]:
-    """Phase 1: pick what to admit. Parked sequences resume before new work is admitted."""
-    if has_parked:
+                  num_running: int, has_parked: bool, hold: bool = False,
+                  ready: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
+    """Phase 1: pick what to admit. Parked sequences resume before new work is admitted,
+    and nothing is admitted while queued rotations hold admission (`adapters.RotationHold`).
+    Only sequences `ready` are picked: the adapter-cohort rule of phase 2 (a sequence whose
+    adapter has no device slot waits, without holding back those behind it)."""
+    if has_parked or hold:
         return []
     room = levers.max_batch_size - num_running
     if room <= 0 or not pending.waiting:
         return []
-    picked = policy.order(pending.waiting)[:room]
+    ordered = policy.order(pending.waiting)
+    picked = [s for s in ordered if ready(s)][:room] if ready is not None else ordered[:room]
     chosen = set(map(id, picked))
     pending.waiting = [s for s in pending.waiting if id(s) not in chosen]
     return picked
@@ -73,7 +78,7 @@ def gate_admissions(new: list[Sequence], *, pending: Pending, memory: Memory,
 def build_snapshot(*, active: list[Sequence], prefilling: list[Sequence], num_parked: int,
                    new: list[Sequence], pending: Pending, memory: Memory, num_requests: int,
                    steps_total: int, now: float, gate: MtpGate | None = None,
-                   ) -> SchedulerSnapshot:
+                   lora: dict | None = None) -> SchedulerSnapshot:
     """Phase 4: every field of the seed's snapshot, plus the live counts the server reads.
     `mtp_mode` and `delivered_tps` are the MTP gate's (`observe()`); off without one."""
     pool = memory.pool
@@ -87,23 +92,29 @@ def build_snapshot(*, active: list[Sequence], prefilling: list[Sequence], num_pa
         mtp_mode=str(getattr(mtp_mode, "value", mtp_mode)), delivered_tps=float(delivered),
         steps_total=steps_total, published_at=now,
         requests_len=num_requests, prefix_query_tokens=stats.prefix_query_tokens,
-        prefix_hit_tokens=stats.prefix_hit_tokens)
+        prefix_hit_tokens=stats.prefix_hit_tokens, **(lora or {}))
 
 
-def apply_rotations(pending: Pending, quiet: bool) -> bool:
+def apply_rotations(pending: Pending, quiet: bool,
+                    apply: Callable[[object], object] | None = None,
+                    cohort_round: Callable[[], bool] | None = None) -> bool:
     """Phase 5: queued adapter commands run only when nothing is in flight anywhere
     (`quiet`: a parked sequence keeps the adapter it was prefilled under); each is
-    acknowledged."""
-    if not quiet or not pending.rotations:
+    acknowledged exactly once, in arrival order. `apply` runs a typed command (a generic
+    `Rotation` runs its own `apply`); then `cohort_round` loads the adapters waiting
+    requests need. True when anything ran."""
+    if not quiet:
         return False
     rotations, pending.rotations = pending.rotations, []
     for rotation in rotations:
         try:
-            result, error = rotation.apply(), None
+            run = getattr(rotation, "apply", None)
+            result, error = (run() if callable(run) else apply(rotation)), None
         except Exception as exc:  # the caller gets the error; the engine keeps serving
             result, error = None, exc
         rotation.ack(result, error)
-    return True
+    loaded = cohort_round() if cohort_round is not None else False
+    return bool(rotations) or loaded
 
 
 def should_shut_down(pending: Pending, idle: bool, poll: Callable[[], None]) -> bool:

@@ -29,6 +29,13 @@ class SchedulerSnapshot:
     requests_len: int = 0           # accepted requests not yet finished
     prefix_query_tokens: int = 0    # prompt tokens looked up in the prefix cache, ever
     prefix_hit_tokens: int = 0      # of which found
+    # Multi-LoRA (empty with LoRA off): device slots for adapters, the adapters holding one,
+    # running sequences per adapter, adapters that waiting requests name, queued rotations.
+    max_loras: int = 0
+    lora_loaded: tuple[str, ...] = ()
+    lora_running: tuple[tuple[str, int], ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    rotations_waiting: int = 0
 
     @property
     def running_seqs(self) -> int:

@@ -6,18 +6,47 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from metrale_jax.lora.weights import LoraWeights
 from metrale_jax.request import Request
 from metrale_jax.scheduler.inbox import Abort, Received
 from metrale_jax.sequence import Sequence
 
 
+# How a rotation's caller hears of it: (result, None) or (None, the error), exactly once.
+Ack = Callable[[Any, BaseException | None], None]
+
+
 @dataclasses.dataclass
 class Rotation:
-    """A queued adapter command, applied only at quiescence (the LoRA rotation phase).
+    """A queued command that must run with nothing on the device (the rotation phase):
     `apply` runs on the engine thread; its result or exception goes to `ack`."""
 
     apply: Callable[[], Any]
-    ack: Callable[[Any, BaseException | None], None]
+    ack: Ack
+
+
+@dataclasses.dataclass
+class LoadAdapter:
+    """Register an adapter (already read off the engine thread) and load it into a device
+    slot; with `replace`, give a registered name new weights (a new version)."""
+
+    name: str
+    path: str
+    weights: LoraWeights
+    ack: Ack
+    replace: bool = False
+    int_id: int | None = None
+
+
+@dataclasses.dataclass
+class UnloadAdapter:
+    """Free an adapter's slot and forget its name; requests still waiting for it fail."""
+
+    name: str
+    ack: Ack
+
+
+ROTATIONS = (Rotation, LoadAdapter, UnloadAdapter)
 
 
 @dataclasses.dataclass
@@ -25,7 +54,8 @@ class Pending:
     """The seed's `pending`: what arrived and is not yet admitted."""
 
     waiting: list[Sequence] = dataclasses.field(default_factory=list)  # accepted sequences
-    rotations: list[Rotation] = dataclasses.field(default_factory=list)
+    # Rotation | LoadAdapter | UnloadAdapter, in arrival order (`ROTATIONS`)
+    rotations: list = dataclasses.field(default_factory=list)
     closed: bool = False  # the inbox closed: no new requests will come
 
     def absorb(self, received: Received, on_request: Callable[[Request], None],
@@ -33,7 +63,7 @@ class Pending:
         for item in received.items:
             if isinstance(item, Abort):
                 on_abort(item.request_id)
-            elif isinstance(item, Rotation):
+            elif isinstance(item, ROTATIONS):
                 self.rotations.append(item)
             else:
                 on_request(item)
