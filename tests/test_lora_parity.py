@@ -277,6 +277,22 @@ def test_refused_adapters(case, llama_adapter, ours, tmp_path):
     assert "'mine'" in str(err.value)
 
 
+def test_bfloat16_adapter_file(llama_adapter, ours, tmp_path):
+    from safetensors.torch import load_file as torch_load
+    from safetensors.torch import save_file as torch_save
+
+    cfg = ours["llama"][1]
+    path = _edited(llama_adapter, tmp_path / "bf16")
+    file = path / "adapter_model.safetensors"
+    torch_save({k: v.to(torch.bfloat16) for k, v in torch_load(file).items()}, file)
+    f32 = load_peft_adapter(llama_adapter, cfg, LORA, "f32")
+    bf16 = load_peft_adapter(path, cfg, LORA, "bf16")
+    assert f32.targets.keys() == bf16.targets.keys()
+    for key, (a, b) in f32.targets.items():
+        np.testing.assert_allclose(bf16.targets[key][0], a, rtol=1e-2, atol=1e-3)
+        np.testing.assert_allclose(bf16.targets[key][1], b, rtol=1e-2, atol=1e-3)
+
+
 def test_rank_above_max_and_missing_files(llama_adapter, ours, tmp_path):
     cfg = ours["llama"][1]
     with pytest.raises(LoraError, match="rank 8 .* exceeds max_lora_rank 4"):

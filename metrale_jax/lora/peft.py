@@ -19,8 +19,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file
 
@@ -130,9 +132,33 @@ def _read_tensors(path: Path, name: str) -> dict[str, np.ndarray]:
         hint = " (only safetensors is read, not adapter_model.bin)" if legacy.exists() else ""
         raise LoraError(f"LoRA adapter {name!r}: {file} not found{hint}")
     try:
-        return load_file(file)
+        return _load(file)
     except Exception as err:  # noqa: BLE001 - any unreadable file is the adapter's fault
         raise LoraError(f"LoRA adapter {name!r}: cannot read {file}: {err}") from err
+
+
+# Adapters trained in bfloat16 are saved so; numpy has no such dtype, ml_dtypes does.
+_EXTRA_DTYPES = {"BF16": ml_dtypes.bfloat16}
+_NUMPY = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+
+
+def _load(file: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a small safetensors file; bfloat16 ones read from the raw bytes
+    (u64 header length, JSON header, data)."""
+    with open(file, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    if not any(v.get("dtype") in _EXTRA_DTYPES for v in header.values() if isinstance(v, dict)):
+        return load_file(file)
+    data = np.fromfile(file, np.uint8, offset=8 + header_len)
+    out = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        dtype = _EXTRA_DTYPES.get(entry["dtype"]) or _NUMPY[entry["dtype"]]
+        out[key] = data[start:end].view(dtype).reshape(entry["shape"]).astype(np.float32)
+    return out
 
 
 def _pair_tensors(tensors: dict[str, np.ndarray], name: str,
