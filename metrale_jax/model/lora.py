@@ -30,7 +30,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 
 @jax.tree_util.register_dataclass
@@ -60,11 +60,11 @@ class LoraInputs:
 class BlockLora:
     a: dict[str, Float[Array, "L1 I R"]]   # projection name -> [L+1, in, R]
     b: dict[str, Float[Array, "L1 R O"]]   # projection name -> [L+1, R, out]
-    onehot: Int[Array, "T L"]              # [T, L] bool: token t takes adapter slot l+1
+    onehot: Bool[Array, "T L"]             # [T, L] token t takes adapter slot l+1
 
 
 def lora_delta(x: Float[Array, "T I"], a: Float[Array, "L1 I R"], b: Float[Array, "L1 R O"],
-               onehot: Float[Array, "T L"]) -> Float[Array, "T O"]:
+               onehot: Bool[Array, "T L"]) -> Float[Array, "T O"]:
     """Per token t: `x[t] @ a[slot_t] @ b[slot_t]` (zero for slot 0), as two dense matmuls."""
     t = x.shape[0]
     num, _, r = a.shape
