@@ -1,7 +1,8 @@
 """The LoRA device slots: every adapter the step can apply, stacked per target projection.
 
-Per target (`lora.targets.target_paths`): `A [L+1, in, R]` and `B [L+1, R, out]`, L =
-`LoraConfig.max_loras`, R = `max_lora_rank`. Slot 0 stays all zeros: a row on it runs the
+Per target (`lora.targets.target_paths`): `A [in, L+1, R]` and `B [L+1, R, out]`, L =
+`LoraConfig.max_loras`, R = `max_lora_rank` (A stacked on its middle axis so that the step
+reads `[in, (L+1)*R]` by a free reshape: one matmul against every slot, model/lora.py). Slot 0 stays all zeros: a row on it runs the
 base model. An adapter of rank r < R fills A's first r columns and B's first r rows (the rest
 stay zero, adding nothing), with its scaling folded into B, so the step computes
 `x @ A[slot] @ B[slot]` and nothing else (model/lora.py).
@@ -31,26 +32,26 @@ from metrale_jax.model.lora import LoraInputs
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoraSlots:
-    a: dict[str, Float[Array, "L1 I R"]]   # target path -> [max_loras+1, in, R]
+    a: dict[str, Float[Array, "I L1 R"]]   # target path -> [in, max_loras+1, R]
     b: dict[str, Float[Array, "L1 R O"]]   # target path -> [max_loras+1, R, out], scaled
 
     def inputs(self, token_slots: Int[Array, "T"]) -> LoraInputs:
         """What the backbone reads in a LoRA step."""
-        return LoraInputs(self.a, self.b, token_slots)
+        return LoraInputs.for_tokens(self.a, self.b, token_slots)
 
 
 def allocate_lora_slots(cfg: ModelConfig, lora: LoraConfig) -> LoraSlots:
     """All slots zero, in the model's dtype."""
     n, r, dtype = lora.max_loras + 1, lora.max_lora_rank, jnp.dtype(cfg.dtype)
     targets = model_targets(cfg)
-    return LoraSlots(a={p: jnp.zeros((n, t.d_in, r), dtype) for p, t in targets.items()},
+    return LoraSlots(a={p: jnp.zeros((t.d_in, n, r), dtype) for p, t in targets.items()},
                      b={p: jnp.zeros((n, r, t.d_out), dtype) for p, t in targets.items()})
 
 
 def write_slot(slots: LoraSlots, slot: Int[Array, ""], a: dict[str, Float[Array, "I R"]],
                b: dict[str, Float[Array, "R O"]]) -> LoraSlots:
     """One slot of every target from the host (jitted with `slots` donated)."""
-    return LoraSlots(a={p: x.at[slot].set(a[p].astype(x.dtype)) for p, x in slots.a.items()},
+    return LoraSlots(a={p: x.at[:, slot].set(a[p].astype(x.dtype)) for p, x in slots.a.items()},
                      b={p: x.at[slot].set(b[p].astype(x.dtype)) for p, x in slots.b.items()})
 
 
