@@ -21,7 +21,9 @@ with no copy of the weights. Measured on the 2-core CPU (L=4, R=16; base = the
   1024  512  19ms    69ms                                 2.4ms          14ms
 
 The gather materialises `[T, in, R]` per projection; ragged_dot needs a sort and falls back
-to a dense-per-group loop on XLA:CPU.
+to a dense-per-group loop on XLA:CPU. Storing A as `[in, L+1, R]` and the mask precomputed
+(this version) then took the decode-sized cases from 98us to 46us (D=256, T=16) and from
+277us to 212us (D=1024, T=16), the same at T=128..512 within the machine's noise.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 Per target (`lora.targets.target_paths`): `A [in, L+1, R]` and `B [L+1, R, out]`, L =
 `LoraConfig.max_loras`, R = `max_lora_rank` (A stacked on its middle axis so that the step
-reads `[in, (L+1)*R]` by a free reshape: one matmul against every slot, model/lora.py). Slot 0 stays all zeros: a row on it runs the
-base model. An adapter of rank r < R fills A's first r columns and B's first r rows (the rest
-stay zero, adding nothing), with its scaling folded into B, so the step computes
-`x @ A[slot] @ B[slot]` and nothing else (model/lora.py).
+reads `[in, (L+1)*R]` by a free reshape: one matmul against every slot, model/lora.py).
+Slot 0 stays all zeros: a row on it runs the base model. An adapter of rank r < R fills its
+slot's first r columns of A and first r rows of B (the rest stay zero, adding nothing), with
+its scaling folded into B, so the step computes `x @ A[:, slot] @ B[slot]` and nothing else.
 
 A load or an unload is one jitted write of one whole slot (every target; zeros where the
 adapter has none), with the slots donated: one fixed shape, compiled once at warm-up. The
