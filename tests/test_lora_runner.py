@@ -182,21 +182,26 @@ def test_warmup_compiles_both_variants(model):
 
 # ---- speculative ------------------------------------------------------------------------
 
-def _greedy_spec(r: ModelRunner, prompt: list[int], new: int, slot: int) -> list[int]:
+def _greedy_spec(r: ModelRunner, prompt: list[int], new: int, slot: int,
+                 oracle: list[int] | None = None) -> tuple[list[int], int]:
     """Greedy decoding through the speculative step: each step verifies the drafts of the
-    one before it."""
+    one before it (or, with `oracle`, that sequence's next tokens as drafts); returns the
+    tokens and how many drafts were accepted."""
     table = list(range(1, 9))
     res = r.run([ScheduledRow(prompt, 0, table, ssm_slot=1, adapter_slot=slot)], True)[0]
-    out, drafts, cached = [res.token], res.drafts, len(prompt)
+    out, drafts, cached, accepted = [res.token], res.drafts, len(prompt), 0
     while len(out) < new:
+        if oracle is not None:
+            drafts = oracle[len(out):len(out) + len(drafts)]
         row = ScheduledRow([out[-1], *drafts], cached, table, ssm_slot=1, adapter_slot=slot,
                            num_drafts=len(drafts))
         res = r.run([row], True)[0]
         emitted = [res.token] + [f.token for f in res.following]
         cached += len(emitted)  # the last token and the accepted drafts are now cached
         out += emitted
+        accepted += len(res.following)
         drafts = res.drafts
-    return out[:new]
+    return out[:new], accepted
 
 
 def _greedy_plain(r: ModelRunner, prompt: list[int], new: int, slot: int) -> list[int]:
@@ -214,6 +219,12 @@ def test_speculative_step_verifies_with_the_adapter(model):
     r = ModelRunner(model, engine)
     r.load_adapter(1, random_adapter("a", 1))
     prompt = PROMPTS[0]
-    want = _greedy_plain(r, prompt, 10, slot=1)
-    assert want != _greedy_plain(r, prompt, 10, slot=0)
-    assert _greedy_spec(r, prompt, 10, slot=1) == want
+    want = _greedy_plain(r, prompt, 14, slot=1)
+    base = _greedy_plain(r, prompt, 14, slot=0)
+    assert want != base
+    assert _greedy_spec(r, prompt, 10, slot=1)[0] == want[:10]
+    # Drafts that are the adapted model's own tokens are all accepted (verification runs
+    # with the adapter); the base model's tokens as drafts are rejected where they differ.
+    tokens, accepted = _greedy_spec(r, prompt, 10, slot=1, oracle=want)
+    assert tokens == want[:10] and accepted >= 6
+    assert _greedy_spec(r, prompt, 10, slot=1, oracle=base)[0] == want[:10]
