@@ -259,7 +259,7 @@ class ModelRunner:
                ) -> int:
         """Compile the step for `shapes` (default: every bucket combination) with a batch of
         padding only, then every other program serving can run, showing progress; returns
-        how many step shapes were compiled."""
+        how many step variants were compiled (with LoRA on, each shape twice)."""
         variants = (self._with_lora([(shape, False) for shape in shapes])
                     if shapes is not None else self.warmup_variants())
         with WarmupProgress(len(variants) + 1, enabled=progress) as bar:
