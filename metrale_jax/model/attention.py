@@ -8,6 +8,7 @@ from jaxtyping import Array, Float
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.layers import RMSNorm, linear
+from metrale_jax.model.lora import BlockLora, project
 from metrale_jax.model.rope import apply_rope, inverse_frequencies
 from pallas_kernels.backend import XLA, KernelOps
 
@@ -29,12 +30,12 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, cfg.norm_eps)
 
     def __call__(self, x: Float[Array, "T D"], batch: StepBatch, kv: KVPages,
-                 ) -> tuple[Float[Array, "T D"], KVPages]:
+                 lora: BlockLora | None = None) -> tuple[Float[Array, "T D"], KVPages]:
         cfg = self.cfg
         t = x.shape[0]
-        q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        q = project(self.q_proj, x, lora, "q_proj").reshape(t, cfg.num_heads, cfg.head_dim)
+        k = project(self.k_proj, x, lora, "k_proj").reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = project(self.v_proj, x, lora, "v_proj").reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.use_rope:
@@ -46,4 +47,4 @@ class Attention(nnx.Module):
             batch.to_padded(q), k_pages, v_pages, batch.block_tables, batch.context_lens,
             batch.to_padded(batch.positions), scale=cfg.head_dim ** -0.5)
         out = batch.to_flat(out).reshape(t, cfg.num_heads * cfg.head_dim)
-        return self.o_proj(out), (k_pages, v_pages)
+        return project(self.o_proj, out, lora, "o_proj"), (k_pages, v_pages)

@@ -31,6 +31,7 @@ class StepBatch:
     ssm_slots: Int[Array, "S"]        # [S] SSM state slot of each row (0 = null slot)
     ssm_fresh: Bool[Array, "S"]       # [S] True when the row's chunk starts a sequence
     sample_index: Int[Array, "S"]     # [S] flat index of each row's last token this step
+    adapter_slots: Int[Array, "S"]    # [S] LoRA slot of each row (0: base model, padding)
 
     @property
     def num_tokens(self) -> int:

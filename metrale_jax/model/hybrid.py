@@ -16,6 +16,7 @@ from metrale_jax.model.attention import Attention
 from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.caches import DeviceCaches
 from metrale_jax.model.layers import MLP, RMSNorm, dtype_of, linear
+from metrale_jax.model.lora import LoraInputs
 from metrale_jax.model.mamba2 import Mamba2Mixer
 from pallas_kernels.backend import XLA, KernelOps, resolve
 
@@ -34,26 +35,27 @@ class Block(nnx.Module):
 
 def run_blocks(blocks: nnx.List, x: Float[Array, "T D"], batch: StepBatch,
                kv: list, conv: list, ssm: list, kv_offset: int = 0, ssm_offset: int = 0,
-               window: int = 0, keep: list | None = None,
+               window: int = 0, keep: list | None = None, lora: LoraInputs | None = None,
                ) -> tuple[Float[Array, "T D"], int, int]:
     """Run blocks in order, threading each stateful block through its cache entry in place
     (the lists are updated); returns the hidden state and the next free cache indices.
     With `window` > 0 each Mamba2 block appends its per-position state candidates to `keep`
-    (see `Mamba2Mixer`)."""
+    (see `Mamba2Mixer`). `lora`: the tokens' adapters, by backbone block index."""
     ai, mi = kv_offset, ssm_offset
-    for block in blocks:
+    for i, block in enumerate(blocks):
         h = block.norm(x)
+        adapters = lora.block(i) if lora is not None else None
         if block.kind == "A":
-            h, kv[ai] = block.mixer(h, batch, kv[ai])
+            h, kv[ai] = block.mixer(h, batch, kv[ai], adapters)
             ai += 1
         elif block.kind == "M":
             h, (conv[mi], ssm[mi]), candidates = block.mixer(h, batch, (conv[mi], ssm[mi]),
-                                                             window)
+                                                             window, adapters)
             if keep is not None:
                 keep.append(candidates)
             mi += 1
         else:
-            h = block.mixer(h)
+            h = block.mixer(h, adapters)
         x = x + h
     return x, ai, mi
 
@@ -93,20 +95,23 @@ class HybridLM(nnx.Module):
                 block.mixer.ops = ops
         return ops
 
-    def __call__(self, batch: StepBatch, caches: DeviceCaches,
+    def __call__(self, batch: StepBatch, caches: DeviceCaches, lora: LoraInputs | None = None,
                  ) -> tuple[Float[Array, "T D"], DeviceCaches]:
-        """The backbone over one ragged batch: final-normed hidden states and new caches."""
-        hidden, caches, _ = self.forward_keeping_states(batch, caches, window=0)
+        """The backbone over one ragged batch: final-normed hidden states and new caches.
+        `lora`: each token's adapter (model/lora.py); None, the base model alone."""
+        hidden, caches, _ = self.forward_keeping_states(batch, caches, window=0, lora=lora)
         return hidden, caches
 
     def forward_keeping_states(self, batch: StepBatch, caches: DeviceCaches, window: int,
+                               lora: LoraInputs | None = None,
                                ) -> tuple[Float[Array, "T D"], DeviceCaches, list]:
         """The backbone, also returning each Mamba2 layer's state after each of the first
         `window` positions of every row (MTP verification rolls back to one of them)."""
         kv, conv, ssm = list(caches.kv), list(caches.conv), list(caches.ssm)
         keep: list = []
         x = self.embed(batch.token_ids)
-        x, _, _ = run_blocks(self.blocks, x, batch, kv, conv, ssm, window=window, keep=keep)
+        x, _, _ = run_blocks(self.blocks, x, batch, kv, conv, ssm, window=window, keep=keep,
+                             lora=lora)
         return self.final_norm(x), DeviceCaches(tuple(kv), tuple(conv), tuple(ssm)), keep
 
     def logits(self, hidden: Float[Array, "N D"]) -> Float[Array, "N V"]:
@@ -129,5 +134,8 @@ class HybridLM(nnx.Module):
         x = module.eh_proj(jnp.concatenate(
             [module.enorm(self.embed(next_ids)), module.hnorm(hidden)], axis=-1))
         offset = len(self.cfg.attention_layers) + depth * self.cfg.mtp_pattern.count("A")
+        # Base weights only: no adapter reaches the MTP layers (as vLLM, which applies LoRA
+        # to no draft head). A draft is only a proposal; verification applies the row's
+        # adapter, so what is emitted is exactly the adapted model's.
         x, _, _ = run_blocks(module.blocks, x, batch, kv, conv, ssm, kv_offset=offset)
         return x, module.norm(x), DeviceCaches(tuple(kv), tuple(conv), tuple(ssm))

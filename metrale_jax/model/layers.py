@@ -8,6 +8,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from metrale_jax.config import ModelConfig
+from metrale_jax.model.lora import BlockLora, project
 
 
 def dtype_of(cfg: ModelConfig) -> jnp.dtype:
@@ -61,9 +62,11 @@ class MLP(nnx.Module):
         self.up_proj = linear(cfg, d, f, rngs)
         self.down_proj = linear(cfg, f, d, rngs)
 
-    def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
+    def __call__(self, x: Float[Array, "T D"], lora: BlockLora | None = None,
+                 ) -> Float[Array, "T D"]:
+        up = project(self.up_proj, x, lora, "up_proj")
         if self.kind == "gated_silu":
-            h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+            h = jax.nn.silu(project(self.gate_proj, x, lora, "gate_proj")) * up
         else:
-            h = jnp.square(jax.nn.relu(self.up_proj(x)))
-        return self.down_proj(h)
+            h = jnp.square(jax.nn.relu(up))
+        return project(self.down_proj, h, lora, "down_proj")

@@ -17,6 +17,7 @@ from jaxtyping import Array, Float, Int
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.layers import GatedRMSNorm, dtype_of, linear
+from metrale_jax.model.lora import BlockLora, project
 from pallas_kernels.backend import XLA, KernelOps
 from pallas_kernels.scatter import set_rows
 
@@ -75,7 +76,7 @@ class Mamba2Mixer(nnx.Module):
                                bias=cfg.mamba_proj_bias)
 
     def __call__(self, x: Float[Array, "T D"], batch: StepBatch, state: SSMState,
-                 window: int = 0,
+                 window: int = 0, lora: BlockLora | None = None,
                  ) -> tuple[Float[Array, "T D"], SSMState, StateCandidates | None]:
         """Returns the output, the new state pools and, when `window` (static) > 0, each
         row's state after each of its chunk's first `window` positions: MTP verification
@@ -86,7 +87,8 @@ class Mamba2Mixer(nnx.Module):
         cfg = self.cfg
         inner, h, p = cfg.mamba_inner, cfg.mamba_num_heads, cfg.mamba_head_dim
         g, n = cfg.mamba_groups, cfg.ssm_state_size
-        z, xbc, dt = jnp.split(self.in_proj(x), [inner, inner + cfg.conv_dim], axis=-1)
+        z, xbc, dt = jnp.split(project(self.in_proj, x, lora, "in_proj"),
+                               [inner, inner + cfg.conv_dim], axis=-1)
 
         conv_pool, ssm_pool = state
         slots, fresh = batch.ssm_slots, batch.ssm_fresh
@@ -136,7 +138,7 @@ class Mamba2Mixer(nnx.Module):
             candidates = (tails, states)
         y = y + xs.astype(jnp.float32) * self.d_skip[...][:, None]
         y = batch.to_flat(y.reshape(s, q, inner).astype(x.dtype))
-        out = self.out_proj(self.norm(y, z))
+        out = project(self.out_proj, self.norm(y, z), lora, "out_proj")
 
         conv_pool = set_rows(conv_pool, slots, conv_tail)
         ssm_pool = set_rows(ssm_pool, slots, new_ssm)

@@ -25,6 +25,7 @@ class RowChunk:
     start: int                  # tokens of this sequence already in the caches
     block_table: Sequence[int]  # physical blocks covering at least start + len(tokens)
     ssm_slot: int = 0
+    adapter_slot: int = 0       # LoRA device slot (0: the base model)
     # Penalty and prompt-logprob bookkeeping stay with the caller; the batch only needs where
     # each row ends.
 
@@ -89,10 +90,12 @@ def build_step_batch(rows: Sequence[RowChunk], shape: StepShape, block_size: int
     ssm_slots[:r] = np.fromiter((row.ssm_slot for row in rows), np.int32, r)
     ssm_fresh = np.zeros(s, bool)
     ssm_fresh[:r] = starts == 0
+    adapter_slots = np.zeros(s, np.int32)
+    adapter_slots[:r] = np.fromiter((row.adapter_slot for row in rows), np.int32, r)
     sample_index = np.zeros(s, np.int32)
     sample_index[:r] = cursor[1:] - 1
     return StepBatch(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
                      token_row=token_row, token_col=token_col, gather_index=gather_index,
                      gather_valid=gather_valid, context_lens=context_lens,
                      block_tables=block_tables, ssm_slots=ssm_slots, ssm_fresh=ssm_fresh,
-                     sample_index=sample_index)
+                     sample_index=sample_index, adapter_slots=adapter_slots)

@@ -5,13 +5,15 @@ compiled programs; it knows nothing of requests. A caller hands it `ScheduledRow
 of one sequence plus its sampling settings) and gets numpy `RowResult`s per row: the contract
 in `metrale_jax.types`. Every program it can run has a fixed set of shapes, all compiled by
 `warmup` and counted by the `CompileCounter`: the step per bucket, the slot-table writes, the
-snapshot copy and the swap buckets. Nothing compiles while serving.
+snapshot copy, the swap buckets and, with LoRA on, the adapter-slot write and the LoRA variant
+of every step. Nothing compiles while serving.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -22,6 +24,7 @@ from metrale_jax.model.caches import (DeviceCaches, allocate_caches, kv_cache_dt
 from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.runner.buckets import BucketLadders, CompileCounter, StepShape
 from metrale_jax.runner.inputs import build_step_batch
+from metrale_jax.runner.lora_slots import allocate_lora_slots, slot_arrays, write_slot
 from metrale_jax.runner.program_store import ProgramStore
 from metrale_jax.runner.progress import WarmupProgress
 from metrale_jax.runner.penalties import history_width
@@ -32,6 +35,9 @@ from metrale_jax.runner.spec_rows import add_prompt_scores, spec_inputs, unpack_
 from metrale_jax.runner.step import StepOptions, StepRunner
 from metrale_jax.runner.swap import block_bucket, gather_sequence, scatter_sequence, warm_buckets
 from metrale_jax.types import RowResult, ScheduledRow, StepHandle
+
+if TYPE_CHECKING:
+    from metrale_jax.lora.weights import LoraWeights
 
 # Slot copies travel in groups of this many pairs, padded with null copies 0 -> 0: one
 # compiled program for any number of copies (the scheduler asks for one at a time).
@@ -69,6 +75,42 @@ class ModelRunner:
         self._copy_slots = jax.jit(_copy_slots, donate_argnums=(0,))
         self._write_history = jax.jit(write_history, donate_argnums=(0,))
         self._write_bias = jax.jit(write_bias, donate_argnums=(0,))
+        self._init_lora()
+
+    def _init_lora(self) -> None:
+        """With `engine.lora`: the adapter slots, all zero (runner/lora_slots.py). They are
+        no step's donated output, so a failed step never loses them."""
+        self.lora_slots = None
+        if self.engine.lora is not None:
+            self.lora_slots = jax.device_put(
+                allocate_lora_slots(self.model_config, self.engine.lora), jax.devices()[0])
+            self._write_lora = jax.jit(write_slot, donate_argnums=(0,))
+
+    @property
+    def max_loras(self) -> int:
+        """Adapter slots besides slot 0 (0: LoRA off)."""
+        return self.engine.lora.max_loras if self.engine.lora is not None else 0
+
+    def load_adapter(self, slot: int, weights: "LoraWeights") -> None:
+        """Copy an adapter into device slot `slot` (1..max_loras), replacing what it held;
+        ordered after every step dispatched before it. `LoraError` when it does not fit."""
+        self._check_adapter_slot(slot)
+        self._write_adapter(slot, weights)
+
+    def unload_adapter(self, slot: int) -> None:
+        """Zero device slot `slot`: a row that names it would run the base model."""
+        self._check_adapter_slot(slot)
+        self._write_adapter(slot, None)
+
+    def _check_adapter_slot(self, slot: int) -> None:
+        if not 1 <= slot <= self.max_loras:
+            raise ValueError(f"adapter slot {slot}: must be in 1..{self.max_loras}"
+                             + ("" if self.max_loras else " (LoRA is off: engine.lora is None)"))
+
+    def _write_adapter(self, slot: int, weights: "LoraWeights | None") -> None:
+        a, b = slot_arrays(self.model_config, self.engine.lora, weights)  # checks first
+        self.counter.record(("write_lora",))
+        self.lora_slots = self._write_lora(self.lora_slots, np.int32(slot), a, b)
 
     def _allocate_caches(self) -> None:
         # Committed to the device like every step's outputs: jit keys its cache on that, so
@@ -115,9 +157,17 @@ class ModelRunner:
     def run(self, rows: Sequence[ScheduledRow], speculative: bool = False) -> list[RowResult]:
         return self.collect(self.dispatch(rows, speculative))
 
-    def _options(self, speculative: bool) -> StepOptions:
+    def _options(self, speculative: bool, lora: bool = False) -> StepOptions:
         return StepOptions(num_top=self.engine.max_logprobs,
-                           spec_depth=self.spec_depth if speculative else 0)
+                           spec_depth=self.spec_depth if speculative else 0, lora=lora)
+
+    def _uses_lora(self, rows: Sequence[ScheduledRow]) -> bool:
+        """Whether the step needs the LoRA variant: some row names an adapter slot."""
+        slots = [r.adapter_slot for r in rows]
+        bad = [s for s in slots if not 0 <= s <= self.max_loras]
+        if bad:
+            raise ValueError(f"adapter slot {bad[0]}: must be in 0..{self.max_loras}")
+        return any(slots)
 
     def dispatch(self, rows: Sequence[ScheduledRow], speculative: bool = False,
                  ) -> "StepHandle":
@@ -126,6 +176,7 @@ class ModelRunner:
         if speculative and not self.spec_depth:
             raise ValueError("a speculative step needs speculative decoding configured")
         shape = self.shape_for(rows, speculative)
+        lora = self._uses_lora(rows)
         batch = build_step_batch(rows, shape, self.engine.block_size)
         for write in self.book.plan(rows):
             self._write_slot(write)
@@ -143,9 +194,10 @@ class ModelRunner:
             targets = flat
         spec = spec_inputs(rows, shape.rows, self.spec_depth) if speculative else None
         mask = self.step.masks.for_rows([r.token_mask for r in rows], shape.rows)
-        out, self.caches, self.tables = self.step(batch, sampling, targets, self.caches,
-                                                  self.tables, self._options(speculative),
-                                                  spec, mask)
+        out, self.caches, self.tables = self.step(
+            batch, sampling, targets, self.caches, self.tables,
+            self._options(speculative, lora), spec, mask,
+            self.lora_slots if lora else None)
         for leaf in jax.tree.leaves(self._wanted(rows, out)):
             leaf.copy_to_host_async()  # start the read-back while the host plans ahead
         return StepHandle(list(rows), out, speculative)
@@ -207,16 +259,17 @@ class ModelRunner:
                ) -> int:
         """Compile the step for `shapes` (default: every bucket combination) with a batch of
         padding only, then every other program serving can run, showing progress; returns
-        how many step shapes were compiled."""
-        variants = ([(shape, False) for shape in shapes] if shapes is not None
-                    else self.warmup_variants())
+        how many step variants were compiled (with LoRA on, each shape twice)."""
+        variants = (self._with_lora([(shape, False) for shape in shapes])
+                    if shapes is not None else self.warmup_variants())
         with WarmupProgress(len(variants) + 1, enabled=progress) as bar:
-            for shape, speculative in variants:
+            for shape, speculative, lora in variants:
                 empty = build_step_batch([], shape, self.engine.block_size)
                 spec = spec_inputs([], shape.rows, self.spec_depth) if speculative else None
                 out, self.caches, self.tables = self.step(
                     empty, make_sampling_arrays([], shape.rows), None, self.caches,
-                    self.tables, self._options(speculative), spec)
+                    self.tables, self._options(speculative, lora), spec, None,
+                    self.lora_slots if lora else None)
                 jax.block_until_ready(out.sampled.tokens)
                 bar.advance()
             self._warm_side_programs()
@@ -232,26 +285,37 @@ class ModelRunner:
             bias_ids=np.full(self.book.bias_len, -1, np.int32),
             bias_values=np.zeros(self.book.bias_len, np.float32)))
         self.copy_slots([0], [0])
+        if self.lora_slots is not None:  # zeros into slot 0, which stays the base model
+            self.counter.record(("write_lora",))
+            a, b = slot_arrays(self.model_config, self.engine.lora, None)
+            self.lora_slots = self._write_lora(self.lora_slots, np.int32(0), a, b)
         self.caches, buckets = warm_buckets(self.caches, self.engine.max_blocks_per_seq,
                                             with_state=self.has_ssm)
         for b in buckets:
             self.counter.record(("swap", b, self.has_ssm))
-        jax.block_until_ready((self.caches, self.tables))
+        jax.block_until_ready((self.caches, self.tables, self.lora_slots))
 
     def warmup_shapes(self) -> list[StepShape]:
         """The plain step's shapes."""
         lad = self.ladders
         return lad.decode_shapes() + self._prefill_shapes()
 
-    def warmup_variants(self) -> list[tuple[StepShape, bool]]:
-        """Every (shape, speculative) the engine can run: the plain step's shapes, and with
-        speculation on, the speculative step for its own decode shapes and for every shape
-        a batch with prefill chunks can take (such a batch may carry drafts too)."""
+    def warmup_variants(self) -> list[tuple[StepShape, bool, bool]]:
+        """Every (shape, speculative, lora) the engine can run: the plain step's shapes, and
+        with speculation on, the speculative step for its own decode shapes and for every
+        shape a batch with prefill chunks can take (such a batch may carry drafts too); with
+        LoRA on, each of them also with adapters."""
         plain = [(shape, False) for shape in self.warmup_shapes()]
-        if not self.spec_depth:
-            return plain
-        spec = self.ladders.spec_decode_shapes() + self._prefill_shapes()
-        return plain + [(shape, True) for shape in spec]
+        if self.spec_depth:
+            spec = self.ladders.spec_decode_shapes() + self._prefill_shapes()
+            plain += [(shape, True) for shape in spec]
+        return self._with_lora(plain)
+
+    def _with_lora(self, variants: list[tuple[StepShape, bool]],
+                   ) -> list[tuple[StepShape, bool, bool]]:
+        """Each (shape, speculative) without LoRA and, with LoRA on, with it too."""
+        flags = (False, True) if self.lora_slots is not None else (False,)
+        return [(shape, spec, lora) for lora in flags for shape, spec in variants]
 
     def _prefill_shapes(self) -> list[StepShape]:
         lad, shapes = self.ladders, []

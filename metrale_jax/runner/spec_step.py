@@ -30,6 +30,7 @@ from jaxtyping import Array, Bool, Float, Int
 from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.caches import DeviceCaches
 from metrale_jax.model.hybrid import HybridLM
+from metrale_jax.model.lora import LoraInputs
 from metrale_jax.runner.sampler import (SampleResult, SamplingArrays, raw_logprobs, row_keys,
                                         target_logits, token_ranks)
 from metrale_jax.runner.penalties import SamplingTables
@@ -57,13 +58,17 @@ class SpecResult:
 def verify_and_draft(model: HybridLM, batch: StepBatch, sampling: SamplingArrays,
                      tables: SamplingTables, spec: SpecInputs, caches: DeviceCaches,
                      mask: TokenMask, *, depth: int, num_top: int,
+                     lora: LoraInputs | None = None,
                      ) -> tuple[jax.Array, SampleResult, jax.Array, SpecResult, DeviceCaches]:
     """Inside the jitted step. Returns the backbone's hidden states [T, D], the emitted
     tokens as a flat [S * (k+1)] SampleResult (row s, position j at s * (k+1) + j; -1 past
-    the accepted drafts + 1) with their ranks, the SpecResult and the new caches."""
+    the accepted drafts + 1) with their ranks, the SpecResult and the new caches. `lora`:
+    the rows' adapters, applied to the backbone (so verification targets the adapted
+    model); the MTP modules draft with base weights only (see `HybridLM.mtp_forward`)."""
     k1 = depth + 1
     vocab = model.cfg.vocab_size
-    hidden, caches, candidates = model.forward_keeping_states(batch, caches, window=k1)
+    hidden, caches, candidates = model.forward_keeping_states(batch, caches, window=k1,
+                                                              lora=lora)
 
     # The row's last non-draft token and the n drafts after it: positions 0..n of [S, k+1].
     first = batch.sample_index - spec.num_drafts

@@ -22,6 +22,7 @@ from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.caches import DeviceCaches
 from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.runner.buckets import CompileCounter, StepShape
+from metrale_jax.runner.lora_slots import LoraSlots
 from metrale_jax.runner.program_store import ProgramStore
 from metrale_jax.runner.sampler import (SampleResult, SamplingArrays, logprobs_of, sample,
                                         token_ranks)
@@ -44,6 +45,9 @@ class StepOptions:
     # k > 0: the speculative step (runner/spec_step.py): verify up to k drafts per row and
     # draft k more with the MTP modules. 0: the plain step, with no MTP work at all.
     spec_depth: int = 0
+    # Apply each row's LoRA adapter (the slots are an argument of the step). Off, the step
+    # has no LoRA work at all: the variant of a step whose rows all run the base model.
+    lora: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -91,13 +95,15 @@ class StepRunner:
     def __call__(self, batch: StepBatch, sampling: SamplingArrays, targets: jax.Array | None,
                  caches: DeviceCaches, tables: SlotTables, options: StepOptions,
                  spec: SpecInputs | None = None, mask: TokenMask | None = None,
+                 lora: LoraSlots | None = None,
                  ) -> tuple[StepOutput, DeviceCaches, SlotTables]:
         """Run one step. `tables.future` holds each slot's latest sampled token on the
         device: a negative token id -f in the batch is read from `future[f]`, and every
         row's sampled token is written to `future[its slot]` (the async pipeline's
         hand-off). Every token of the batch is recorded in its slot's history. With
         `options.spec_depth` > 0, `spec` says where each row's drafts are. `mask`: the rows'
-        grammar token masks (None: no row is constrained)."""
+        grammar token masks (None: no row is constrained). `lora`: the adapter slots, with
+        `options.lora` only (rows name theirs in `batch.adapter_slots`)."""
         shape = StepShape(batch.num_tokens, batch.num_rows, batch.query_len,
                           batch.block_tables.shape[1])
         self.counter.record(("step", shape, options))
@@ -105,16 +111,18 @@ class StepRunner:
             targets = np.full((batch.num_tokens,), -1, np.int32)
         if (spec is not None) != (options.spec_depth > 0):
             raise ValueError("spec inputs go with a speculative step (spec_depth > 0) only")
+        if (lora is not None) != options.lora:
+            raise ValueError("LoRA slots go with a LoRA step (options.lora) only")
         buffers, layout = pack((batch, sampling, targets, spec))
         if mask is None:
             mask = self.masks.none(batch.num_rows)
-        return self._jitted(self._leaves, jax.device_put(buffers), caches, tables, mask,
+        return self._jitted(self._leaves, jax.device_put(buffers), caches, tables, mask, lora,
                             layout=layout, options=options)
 
 
 def _step(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: DeviceCaches,
-          tables: SlotTables, mask: TokenMask, *, layout: Layout, options: StepOptions,
-          ) -> tuple[StepOutput, DeviceCaches, SlotTables]:
+          tables: SlotTables, mask: TokenMask, lora: LoraSlots | None, *, layout: Layout,
+          options: StepOptions) -> tuple[StepOutput, DeviceCaches, SlotTables]:
     batch, sampling, targets, spec = unpack(buffers, layout)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     # Tokens still on the device from the previous step arrive as -slot placeholders.
@@ -124,16 +132,18 @@ def _step(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: Devi
     # Recorded before sampling: a row's penalties see its tokens up to this step's end.
     slot_sampling = dataclasses.replace(
         tables.sampling, history=record_tokens(tables.sampling.history, batch))
+    # Padding tokens read row 0's slot: their outputs are dropped anyway.
+    adapters = lora.inputs(batch.adapter_slots[batch.token_row]) if options.lora else None
     result = None
     if options.spec_depth:
         hidden, sampled, ranks, result, caches = verify_and_draft(
             model, batch, sampling, slot_sampling, spec, caches, mask,
-            depth=options.spec_depth, num_top=options.num_top)
+            depth=options.spec_depth, num_top=options.num_top, lora=adapters)
         # The future cell gets each row's last emitted token.
         newest = jnp.take_along_axis(sampled.tokens.reshape(batch.num_rows, -1),
                                      result.accepted[:, None], axis=1)[:, 0]
     else:
-        hidden, caches = model(batch, caches)
+        hidden, caches = model(batch, caches, adapters)
         # Grammar masks before everything that reads the distribution: sampling, the
         # reported logprobs and ranks (as vLLM, whose logprobs are those of the masked
         # logits).

@@ -31,8 +31,10 @@ DONATED_ARGS = (2, 3)
 
 
 class StoredStep:
-    """Drop-in for the jitted step `fun(leaves, buffers, caches, tables, *, layout,
-    options)`: one jitted call of a stored program per (layout, options), i.e. per shape."""
+    """Drop-in for the jitted step `fun(leaves, buffers, caches, tables, mask, lora, *,
+    layout, options)`: one jitted call of a stored program per (layout, options), i.e. per
+    shape and variant. The store key holds the options (`lora=True` or not) and the
+    argument structure (LoRA slots or None), so a LoRA program and a plain one never mix."""
 
     def __init__(self, fun: Callable, fallback: Callable, store: ProgramStore, tag: str,
                  custom_calls: tuple[str, ...] = ()):
