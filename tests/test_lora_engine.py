@@ -82,7 +82,7 @@ def test_lora_errors_are_clear():
 
 
 # ---- on the built-in model (needs the device side: metrale_jax.lora.targets and a runner
-# with adapter slots; skipped until both branches are merged) -----------------------------------
+# with adapter slots) -----------------------------------
 
 class RandomAdapters:
     """Adapters with random A/B on every target of the model, seeded by name (no files)."""
@@ -111,7 +111,6 @@ REAL_ENGINE = dict(max_batch_size=4, max_tokens_per_tick=32, max_seq_len=128, bl
 
 
 def test_real_model_mixed_adapters_equal_alone_and_rotate_through_two_slots():
-    pytest.importorskip("metrale_jax.lora.targets")
     loader = RandomAdapters()
     llm = LLM(warmup=False, enable_lora=True, max_loras=2, max_lora_rank=8,
               adapter_loader=loader, **REAL_ENGINE)

@@ -204,10 +204,9 @@ async def test_async_generate_takes_a_lora_request(llm, lora_dir):
     assert text == expected_text(llm, path, name="gen")
 
 
-# ---- on the built-in model (needs the device side; skipped until both branches are merged) --
+# ---- on the built-in model (needs the device side) --
 
 async def test_real_model_server_serves_adapters_batched_as_alone(aiohttp_client):
-    pytest.importorskip("metrale_jax.lora.targets")
     from tests.server_fixtures import ENGINE as REAL_ENGINE
     from tests.test_lora_engine import RandomAdapters
 
@@ -260,7 +259,6 @@ def write_peft_adapter(directory, model_config, seed: int, rank: int = 4) -> Non
 
 async def test_real_model_loads_peft_directories_at_runtime(aiohttp_client, tmp_path):
     """`--lora-dir` with the real PEFT loader: load, use, unload through the endpoints."""
-    pytest.importorskip("metrale_jax.lora.peft")
     from tests.server_fixtures import ENGINE as REAL_ENGINE
 
     engine = AsyncLLM(None, enable_lora=True, max_loras=1, max_lora_rank=8, **REAL_ENGINE)
