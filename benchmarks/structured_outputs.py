@@ -7,6 +7,10 @@ mask needs the token just sampled, so a constrained batch runs as the pipeline-o
 plus the grammar's host work); and the host time per step spent in the grammar (masks
 computed, tokens consumed). An unconstrained batch does no grammar work on the host (a device constant
 stands in for the masks) and one traced `any` over the rows on the device.
+
+With MTP (batch 1, `--mtp`, the built-in model's two trained modules, gate on): the same
+constrained and unconstrained runs verifying drafts; a constrained row checks its drafts
+against the grammar on the host (a mask per position) and verifies those it allows.
 Run: `python -m benchmarks.structured_outputs`; results go to benchmarks/results/.
 """
 
@@ -26,23 +30,28 @@ REGEX = r"[a-z ]{200,400}"  # never complete within TOKENS: every row decodes th
 
 
 class GrammarClock:
-    """Wall time inside GrammarState.next_mask and .advance (patched for the run)."""
+    """Wall time inside GrammarState.next_mask, .check_drafts and .advance (patched for the
+    run; a call inside another counts once)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self._saved = {}
+        self._depth = 0
 
     def __enter__(self):
-        for name in ("next_mask", "advance"):
+        for name in ("next_mask", "check_drafts", "advance"):
             real = getattr(GrammarState, name)
             self._saved[name] = real
 
             def timed(*args, _real=real):
                 t0 = time.perf_counter()
+                self._depth += 1
                 try:
                     return _real(*args)
                 finally:
-                    self.seconds += time.perf_counter() - t0
+                    self._depth -= 1
+                    if not self._depth:
+                        self.seconds += time.perf_counter() - t0
             setattr(GrammarState, name, timed)
         return self
 
@@ -51,13 +60,16 @@ class GrammarClock:
             setattr(GrammarState, name, real)
 
 
-def run(batch: int, constrained: bool, repeats: int, pipeline: bool = True) -> dict:
+def run(batch: int, constrained: bool, repeats: int, pipeline: bool = True,
+        mtp: bool = False) -> dict:
     from metrale_jax.engine import LLMEngine
 
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "gate": "on"} if mtp else None
     engine = LLMEngine(None, max_batch_size=batch, max_tokens_per_tick=max(64, batch * 4),
                        max_seq_len=128, block_size=16, num_kv_blocks=batch * 8 + 1,
                        seq_buckets=(batch,), token_buckets=(batch, max(64, batch * 4)),
-                       query_buckets=(1, 64), block_buckets=(8,), enable_pipeline=pipeline)
+                       query_buckets=(1, 64), block_buckets=(8,), enable_pipeline=pipeline,
+                       speculative_config=spec)
     so = StructuredOutputsParams(regex=REGEX) if constrained else None
     params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True,
                             structured_outputs=so)
@@ -83,8 +95,14 @@ def run(batch: int, constrained: bool, repeats: int, pipeline: bool = True) -> d
             best = tokens / elapsed
             grammar_s = clock.seconds
             steps = engine.core.steps_total - start_steps
+    counters = engine.core.tel.counters()
     engine.close()
-    return {"batch": batch, "constrained": constrained, "pipeline": pipeline,
+    extra = {}
+    if mtp:
+        extra = {"mtp": True, "acceptance_rate": round(
+            counters.get("spec_decode_num_accepted_tokens", 0)
+            / max(counters.get("spec_decode_num_draft_tokens", 0), 1), 3)}
+    return {"batch": batch, "constrained": constrained, "pipeline": pipeline, **extra,
             "decode_tok_s": round(best, 1),
             "grammar_ms_per_step": round(1e3 * grammar_s / max(steps, 1), 3)}
 
@@ -92,6 +110,8 @@ def run(batch: int, constrained: bool, repeats: int, pipeline: bool = True) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mtp", action="store_true",
+                        help="also batch 1 with MTP on, constrained and not")
     args = parser.parse_args()
     rows = []
     for batch in (1, 16):
@@ -102,6 +122,13 @@ def main() -> None:
             constrained[name] = round(constrained["decode_tok_s"] / base["decode_tok_s"], 3)
         rows += [plain, settled, constrained]
         print(plain, settled, constrained, flush=True)
+        if args.mtp and batch == 1:
+            plain_mtp = run(batch, False, args.repeats, mtp=True)
+            constrained_mtp = run(batch, True, args.repeats, mtp=True)
+            constrained_mtp["vs_mtp_off"] = round(
+                constrained_mtp["decode_tok_s"] / constrained["decode_tok_s"], 3)
+            rows += [plain_mtp, constrained_mtp]
+            print(plain_mtp, constrained_mtp, flush=True)
     path = write_result("structured_outputs", {"regex": REGEX, "tokens": TOKENS,
                                                "prompt": PROMPT, "rows": rows})
     print(f"wrote {path}")
