@@ -8,9 +8,12 @@ plus the grammar's host work); and the host time per step spent in the grammar (
 computed, tokens consumed). An unconstrained batch does no grammar work on the host (a device constant
 stands in for the masks) and one traced `any` over the rows on the device.
 
-With MTP (batch 1, `--mtp`, the built-in model's two trained modules, gate on): the same
-constrained and unconstrained runs verifying drafts; a constrained row checks its drafts
-against the grammar on the host (a mask per position) and verifies those it allows.
+With `--mtp` (results in structured_outputs_mtp.json): batch 1 constrained, MTP off and on
+(the built-in model's two trained modules, gate on), for the regex above (the model fills it
+with blanks its MTP modules rarely draft: drafts are cut on the host, the step verifies
+none) and for one that admits the model's own text (`MTP_REGEX`: drafts pass the grammar and
+are accepted); a constrained row checks its drafts against the grammar on the host (a mask
+per position) and verifies those it allows. Steps are per request.
 Run: `python -m benchmarks.structured_outputs`; results go to benchmarks/results/.
 """
 
@@ -19,7 +22,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from benchmarks.common import write_result
+from benchmarks.common import RESULTS, write_json, write_result
 from metrale_jax.grammar.matcher import GrammarState
 from metrale_jax.grammar.params import StructuredOutputsParams
 from metrale_jax.request import SamplingParams
@@ -27,6 +30,7 @@ from metrale_jax.request import SamplingParams
 TOKENS = 48
 PROMPT = 32
 REGEX = r"[a-z ]{200,400}"  # never complete within TOKENS: every row decodes them all
+MTP_REGEX = r"[A-Za-z ,.;:'!?\n]{200,400}"  # the built-in model's own text fits it
 
 
 class GrammarClock:
@@ -61,7 +65,7 @@ class GrammarClock:
 
 
 def run(batch: int, constrained: bool, repeats: int, pipeline: bool = True,
-        mtp: bool = False) -> dict:
+        mtp: bool = False, mtp_policy: str = "on", regex: str = REGEX) -> dict:
     from metrale_jax.engine import LLMEngine
 
     spec = {"method": "mtp", "num_speculative_tokens": 2, "gate": "on"} if mtp else None
@@ -70,7 +74,9 @@ def run(batch: int, constrained: bool, repeats: int, pipeline: bool = True,
                        seq_buckets=(batch,), token_buckets=(batch, max(64, batch * 4)),
                        query_buckets=(1, 64), block_buckets=(8,), enable_pipeline=pipeline,
                        speculative_config=spec)
-    so = StructuredOutputsParams(regex=REGEX) if constrained else None
+    if mtp:
+        engine.levers.set(mtp_policy=mtp_policy)
+    so = StructuredOutputsParams(regex=regex) if constrained else None
     params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True,
                             structured_outputs=so)
     best, grammar_s, steps = None, 0.0, 0
@@ -99,7 +105,7 @@ def run(batch: int, constrained: bool, repeats: int, pipeline: bool = True,
     engine.close()
     extra = {}
     if mtp:
-        extra = {"mtp": True, "acceptance_rate": round(
+        extra = {"mtp": mtp_policy, "regex": regex, "steps": steps, "acceptance_rate": round(
             counters.get("spec_decode_num_accepted_tokens", 0)
             / max(counters.get("spec_decode_num_draft_tokens", 0), 1), 3)}
     return {"batch": batch, "constrained": constrained, "pipeline": pipeline, **extra,
@@ -111,8 +117,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mtp", action="store_true",
-                        help="also batch 1 with MTP on, constrained and not")
+                        help="only batch 1 constrained with MTP off and on")
     args = parser.parse_args()
+    if args.mtp:
+        return main_mtp(args.repeats)
     rows = []
     for batch in (1, 16):
         plain = run(batch, False, args.repeats)
@@ -122,15 +130,23 @@ def main() -> None:
             constrained[name] = round(constrained["decode_tok_s"] / base["decode_tok_s"], 3)
         rows += [plain, settled, constrained]
         print(plain, settled, constrained, flush=True)
-        if args.mtp and batch == 1:
-            plain_mtp = run(batch, False, args.repeats, mtp=True)
-            constrained_mtp = run(batch, True, args.repeats, mtp=True)
-            constrained_mtp["vs_mtp_off"] = round(
-                constrained_mtp["decode_tok_s"] / constrained["decode_tok_s"], 3)
-            rows += [plain_mtp, constrained_mtp]
-            print(plain_mtp, constrained_mtp, flush=True)
     path = write_result("structured_outputs", {"regex": REGEX, "tokens": TOKENS,
                                                "prompt": PROMPT, "rows": rows})
+    print(f"wrote {path}")
+
+
+def main_mtp(repeats: int) -> None:
+    rows = []
+    for regex in (REGEX, MTP_REGEX):
+        off = run(1, True, repeats, mtp=True, mtp_policy="off", regex=regex)
+        on = run(1, True, repeats, mtp=True, regex=regex)
+        on["vs_mtp_off"] = round(on["decode_tok_s"] / off["decode_tok_s"], 3)
+        rows += [off, on]
+        print(off, on, flush=True)
+    path = write_json(RESULTS / "structured_outputs_mtp.json",
+                      {"tokens": TOKENS, "prompt": PROMPT, "rows": rows},
+                      "python -m benchmarks.structured_outputs --mtp --repeats "
+                      f"{repeats}")
     print(f"wrote {path}")
 
 
