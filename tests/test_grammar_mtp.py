@@ -12,9 +12,12 @@ constrained rows do accept drafts."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 
 import jax
 import jax.numpy as jnp
+import jsonschema
 import numpy as np
 import pytest
 from scipy.stats import chisquare
@@ -189,3 +192,25 @@ def test_sampled_outputs_are_all_valid_with_mtp_on(request, model):
     bad = [(s, o.text, o.finish_reason) for o, (s, check) in zip(outs, specs)
            if o.finish_reason != "stop" or not check(o.text)]
     assert not bad, bad
+
+
+def test_xgrammar_drafts_are_checked_the_same_way(builtin):
+    """The xgrammar backend's matchers roll back too: greedy outputs equal with MTP on and
+    off, and constrained rows accept drafts (the engine's compiler swapped for the test)."""
+    engine = builtin.engine
+    saved = engine._grammar
+    engine._grammar = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size,
+                                      backend="xgrammar")
+    try:
+        specs = [{"choice": LONG_CHOICE}, {"regex": r"[A-Za-z ,.;:'!?]{20,60}\."},
+                 {"json": SCHEMAS[1]}]
+        off = _run(builtin, specs, mtp="off")
+        before = _drafts(builtin)
+        on = _run(builtin, specs, mtp="on")
+        assert [(o.text, o.finish_reason) for o in on] == [(o.text, o.finish_reason)
+                                                           for o in off]
+        assert on[0].text in LONG_CHOICE and re.fullmatch(specs[1]["regex"], on[1].text)
+        jsonschema.validate(json.loads(on[2].text), SCHEMAS[1])
+        assert _drafts(builtin)[1] > before[1]
+    finally:
+        engine._grammar = saved

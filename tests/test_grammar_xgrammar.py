@@ -5,10 +5,12 @@ extra when xgrammar is not installed."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
-from metrale_jax import LLM, RequestError, SamplingParams, StructuredOutputsParams
+from metrale_jax import LLM, RequestError, StructuredOutputsParams
 from metrale_jax.config import ConfigError, EngineConfig
 from metrale_jax.grammar import backend as grammar_backend
 from metrale_jax.grammar.compiler import GrammarCompiler
@@ -102,7 +104,7 @@ CANONICAL = ([{"choice": c} for c in CHOICES] + [{"regex": r} for r in REGEXES[:
                 {"json": SCHEMAS[12]}, {"grammar": LARK}])
 
 
-def test_greedy_outputs_equal_llguidance_where_the_form_is_canonical(builtin, xbuiltin):  # noqa: F811
+def test_greedy_outputs_equal_llguidance_where_canonical(builtin, xbuiltin):  # noqa: F811
     prompts = [PROMPTS[i % 2] for i in range(len(CANONICAL))]
     params = [_params(s) for s in CANONICAL]
     ll = [o.outputs[0] for o in builtin.generate(prompts, params)]
@@ -111,7 +113,6 @@ def test_greedy_outputs_equal_llguidance_where_the_form_is_canonical(builtin, xb
     # only its canonical tokenization ("y" then "es"), xgrammar any ("y" "e" "s" too).
     assert [(o.text, o.finish_reason) for o in xg] == [(o.text, o.finish_reason) for o in ll]
     assert all(o.finish_reason == "stop" for o in xg)
-    import re
     assert re.fullmatch(LARK_RE, xg[-1].text)
 
 
