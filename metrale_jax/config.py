@@ -23,6 +23,8 @@ KERNEL_BACKENDS = ("auto", "pallas", "xla")
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", *DTYPES)
 LADDERS = ("sparse", "pow2")
+# Grammar engines for structured outputs (metrale_jax/grammar/backend.py).
+GRAMMAR_BACKENDS = ("llguidance", "xgrammar")
 
 
 class ConfigError(ValueError):
@@ -176,6 +178,9 @@ class EngineConfig:
     program_cache: str = "auto"
     # Multi-LoRA (None: off; no adapter slots are allocated and no step does LoRA work).
     lora: LoraConfig | None = None
+    # The grammar engine of structured outputs: "llguidance" (a dependency) or "xgrammar"
+    # (extra `grammar-xgrammar`). Checked at startup, so a missing package fails there.
+    structured_outputs_backend: str = "llguidance"
 
     def __post_init__(self) -> None:
         # A dict or JSON text (vLLM's shape) becomes the validated object.
@@ -201,6 +206,9 @@ class EngineConfig:
                  f"must be one of {LADDERS}, got {self.ladders!r}")
         _require(self.kernel_backend in KERNEL_BACKENDS, "kernel_backend",
                  f"must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+        _require(self.structured_outputs_backend in GRAMMAR_BACKENDS,
+                 "structured_outputs_backend", f"must be one of {GRAMMAR_BACKENDS}, got "
+                 f"{self.structured_outputs_backend!r}")
         for name, limit in (("token_buckets", self.max_tokens_per_tick),
                             ("seq_buckets", self.max_batch_size),
                             ("prefill_seq_buckets", self.max_batch_size),

@@ -18,6 +18,7 @@ from collections.abc import Sequence as Seq
 from metrale_jax.cache.spill import SpillStore
 from metrale_jax.cache.spill_dirs import make_private_dir, remove_stale_dirs
 from metrale_jax.config import EngineConfig
+from metrale_jax.grammar.backend import check_installed
 from metrale_jax.loader.resolve import load
 from metrale_jax.lora.config import LoraConfig
 from metrale_jax.lora.registry import AdapterLoader, AdapterRegistry, peft_loader
@@ -88,6 +89,7 @@ class LLMEngine:
                            engine.max_seq_len, loaded.name, loaded.config.max_position_embeddings)
             engine = engine.replace(max_seq_len=loaded.config.max_position_embeddings)
         self.engine_config = engine
+        check_installed(engine.structured_outputs_backend)  # at startup, not on a request
         self.runner = runner or ModelRunner(loaded.model, engine,
                                             num_snapshot_slots=engine.num_ssm_snapshots)
         # Multi-LoRA: the registry of adapters (None: LoRA off); the scheduler owns its slots.
@@ -245,7 +247,9 @@ class LLMEngine:
             if self._grammar is None:
                 from metrale_jax.grammar.compiler import GrammarCompiler
 
-                self._grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+                self._grammar = GrammarCompiler(
+                    self.tokenizer, self.model_config.vocab_size,
+                    backend=self.engine_config.structured_outputs_backend)
         self._grammar.compile(params.structured_outputs)
         return self._grammar
 

@@ -131,11 +131,11 @@ class Sequence:
         """The drafts this sequence's next decode row carries (a speculative tick): none
         where speculation could change what it samples or overshoot a limit. Penalties and
         a pending min_tokens change the distribution token by token, so those rows decode
-        one token at a time, and so does a grammar-constrained sequence (its mask is known
-        for the next token only); drafts never run past max_tokens or max_len."""
+        one token at a time; drafts never run past max_tokens or max_len. A grammar-
+        constrained sequence's drafts are then checked against its grammar as the row is
+        packed (`grammar.masks.grammar_masks`), which gives a mask for each position."""
         p = self.params
         if (self.drafts_at != len(self.output_ids) or self.inflight
-                or self.grammar_state is not None
                 or self.num_computed != self.virtual_len - 1
                 or self.row_sampling_uses_penalties or self.num_sampled < p.min_tokens):
             return []

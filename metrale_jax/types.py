@@ -74,8 +74,9 @@ class ScheduledRow:
     # after a chunk that does not reach the sequence's end (the MTP modules read them).
     num_drafts: int = 0
     follow: Sequence[int] = ()
-    # Grammar (structured outputs): [ceil(V/32)] packed int32 bits of the tokens allowed at
-    # the sampled position (bit i of word i // 32 set: token i allowed); None: unconstrained.
+    # Grammar (structured outputs): [1 + num_drafts, ceil(V/32)] packed int32 bits of the
+    # tokens allowed at each position the row samples (its last token's, then each draft's;
+    # bit i of word i // 32 set: token i allowed); None: unconstrained.
     token_mask: np.ndarray | None = None
     # LoRA: the device slot of the row's adapter (0: the base model, no adapter work).
     adapter_slot: int = 0

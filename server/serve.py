@@ -79,6 +79,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--prefill-chunk-size", type=int, default=256)
     e.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs")
     e.add_argument("--kernel-backend", choices=("auto", "pallas", "xla"), default="auto")
+    e.add_argument("--structured-outputs-backend", choices=("llguidance", "xgrammar"),
+                   default="llguidance", help="grammar engine of structured outputs "
+                   "(xgrammar: pip install 'metrale-jax[grammar-xgrammar]')")
     e.add_argument("--dtype", default="auto",
                    help="weights and activations: auto (as stored), float32, bfloat16, float16")
     e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
@@ -121,6 +124,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   max_logit_bias=args.max_logit_bias,
                   prefill_chunk_size=args.prefill_chunk_size, policy=args.policy,
                   kernel_backend=args.kernel_backend, spill_dir=args.spill_dir,
+                  structured_outputs_backend=args.structured_outputs_backend,
                   enable_prefix_cache=not args.no_prefix_cache,
                   enable_pipeline=not args.no_pipeline, enable_swap=not args.no_swap,
                   seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, ladders=args.ladders)

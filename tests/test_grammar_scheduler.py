@@ -101,7 +101,7 @@ def test_pipeline_settles_before_each_constrained_decode():
     core = make_core(pipeline=True)
     plain, constrained = make_request(list(range(20, 27)), 12), make_request(list(range(1, 9)), 12)
     constrained.sequences[0].grammar_state = TrackingGrammar()
-    # grammar_mask raises if a mask is asked for with a token still on the device.
+    # grammar_masks raises if a mask is asked for with a token still on the device.
     run(core, [plain, constrained])
     _assert_reference([plain, constrained])
     assert constrained.sequences[0].grammar_state.masks_asked == 12

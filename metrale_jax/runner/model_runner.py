@@ -193,7 +193,8 @@ class ModelRunner:
                 cursor += len(r.tokens)
             targets = flat
         spec = spec_inputs(rows, shape.rows, self.spec_depth) if speculative else None
-        mask = self.step.masks.for_rows([r.token_mask for r in rows], shape.rows)
+        mask = self.step.masks.for_rows([r.token_mask for r in rows], shape.rows,
+                                        self.spec_depth + 1 if speculative else 1)
         out, self.caches, self.tables = self.step(
             batch, sampling, targets, self.caches, self.tables,
             self._options(speculative, lora), spec, mask,

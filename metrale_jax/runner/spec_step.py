@@ -60,11 +60,12 @@ def verify_and_draft(model: HybridLM, batch: StepBatch, sampling: SamplingArrays
                      mask: TokenMask, *, depth: int, num_top: int,
                      lora: LoraInputs | None = None,
                      ) -> tuple[jax.Array, SampleResult, jax.Array, SpecResult, DeviceCaches]:
-    """Inside the jitted step. Returns the backbone's hidden states [T, D], the emitted
-    tokens as a flat [S * (k+1)] SampleResult (row s, position j at s * (k+1) + j; -1 past
-    the accepted drafts + 1) with their ranks, the SpecResult and the new caches. `lora`:
-    the rows' adapters, applied to the backbone (so verification targets the adapted
-    model); the MTP modules draft with base weights only (see `HybridLM.mtp_forward`)."""
+    """Inside the jitted step; `mask` holds k+1 positions per row (runner/token_mask.py).
+    Returns the backbone's hidden states [T, D], the emitted tokens as a flat [S * (k+1)]
+    SampleResult (row s, position j at s * (k+1) + j; -1 past the accepted drafts + 1) with
+    their ranks, the SpecResult and the new caches. `lora`: the rows' adapters, applied to
+    the backbone (so verification targets the adapted model); the MTP modules draft with
+    base weights only (see `HybridLM.mtp_forward`)."""
     k1 = depth + 1
     vocab = model.cfg.vocab_size
     hidden, caches, candidates = model.forward_keeping_states(batch, caches, window=k1,
@@ -74,11 +75,10 @@ def verify_and_draft(model: HybridLM, batch: StepBatch, sampling: SamplingArrays
     first = batch.sample_index - spec.num_drafts
     cols = jnp.arange(k1, dtype=jnp.int32)
     index = jnp.minimum(first[:, None] + cols[None, :], batch.sample_index[:, None])  # [S, k+1]
-    # A grammar-constrained row carries no drafts (the scheduler's rule), so its mask,
-    # repeated over the positions, only ever decides its first.
-    per_position_mask = jax.tree.map(lambda a: jnp.repeat(a, k1, axis=0), mask)
-    logits = apply_token_mask(model.logits(hidden[index.reshape(-1)]),
-                              per_position_mask)  # [S*(k+1), V]
+    # Grammar masks, one per position (the state after the drafts before it), before the
+    # acceptance: greedy and rejection sampling then both verify against the masked target,
+    # so a constrained row emits what plain masked decoding would.
+    logits = apply_token_mask(model.logits(hidden[index.reshape(-1)]), mask)  # [S*(k+1), V]
     draft_in = jnp.where(cols[None, :depth] < spec.num_drafts[:, None],
                          batch.token_ids[jnp.minimum(first[:, None] + 1 + cols[None, :depth],
                                                      batch.num_tokens - 1)], -1)  # [S, k]

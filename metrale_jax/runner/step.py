@@ -102,8 +102,9 @@ class StepRunner:
         row's sampled token is written to `future[its slot]` (the async pipeline's
         hand-off). Every token of the batch is recorded in its slot's history. With
         `options.spec_depth` > 0, `spec` says where each row's drafts are. `mask`: the rows'
-        grammar token masks (None: no row is constrained). `lora`: the adapter slots, with
-        `options.lora` only (rows name theirs in `batch.adapter_slots`)."""
+        grammar token masks, k+1 per row in a speculative step (None: no row is
+        constrained). `lora`: the adapter slots, with `options.lora` only (rows name theirs
+        in `batch.adapter_slots`)."""
         shape = StepShape(batch.num_tokens, batch.num_rows, batch.query_len,
                           batch.block_tables.shape[1])
         self.counter.record(("step", shape, options))
@@ -114,8 +115,8 @@ class StepRunner:
         if (lora is not None) != options.lora:
             raise ValueError("LoRA slots go with a LoRA step (options.lora) only")
         buffers, layout = pack((batch, sampling, targets, spec))
-        if mask is None:
-            mask = self.masks.none(batch.num_rows)
+        if mask is None:  # one mask per position a row samples: k+1 in a speculative step
+            mask = self.masks.none(batch.num_rows, options.spec_depth + 1)
         return self._jitted(self._leaves, jax.device_put(buffers), caches, tables, mask, lora,
                             layout=layout, options=options)
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 
-from metrale_jax.grammar.masks import grammar_mask
+import numpy as np
+
+from metrale_jax.grammar.masks import grammar_masks
 from metrale_jax.scheduler.levers import LeverValues
 from metrale_jax.scheduler.memory import Memory
 from metrale_jax.sequence import Sequence, Status
@@ -58,19 +60,24 @@ def _prefill_chunk(memory: Memory, levers: LeverValues, seq: Sequence,
     return chunk[:max(room, 0)]
 
 
+def _samples(seq: Sequence, chunk: list[int]) -> bool:
+    """The chunk reaches the sequence's end: the row samples its next token."""
+    return seq.num_computed + len(chunk) == seq.virtual_len
+
+
 def _row(seq: Sequence, chunk: list[int], drafts: list[int] = (), spec_depth: int = 0,
-         ) -> PackedRow:
+         masks: np.ndarray | None = None) -> PackedRow:
     start = seq.num_computed
     targets = ()
     if seq.prompt_logprobs is not None and start < len(seq.prompt_ids):
         targets = seq.prompt_targets(start, len(chunk))
-    samples = start + len(chunk) == seq.virtual_len
+    samples = _samples(seq, chunk)
     end = start + len(chunk)
     # A speculative step's MTP modules read the known tokens past a chunk that stops short.
     follow = seq.all_ids[end:end + spec_depth] if spec_depth and not samples else ()
     scheduled = ScheduledRow(chunk + list(drafts), start, seq.block_table, seq.slot,
                              seq.row_sampling(), targets, seq.uid, num_drafts=len(drafts),
-                             follow=follow, token_mask=grammar_mask(seq, samples),
+                             follow=follow, token_mask=masks,
                              adapter_slot=seq.adapter_slot)
     return PackedRow(seq, seq.epoch, samples, scheduled)
 
@@ -90,9 +97,12 @@ def pack_lanes(active: list[Sequence], prefilling: list[Sequence], memory: Memor
             continue
         chunk = seq.next_chunk(budget)
         drafts = seq.drafts_to_verify(spec_depth, budget) if spec_depth else []
+        # A constrained row's drafts are checked against its grammar here, before they
+        # take blocks: one mask per position the row samples.
+        drafts, masks = grammar_masks(seq, _samples(seq, chunk), drafts)
         if not memory.grow(seq, seq.num_computed + len(chunk) + len(drafts)):
             return Packing(packed, needs_room=seq)
-        packed.append(_row(seq, chunk, drafts, spec_depth))
+        packed.append(_row(seq, chunk, drafts, spec_depth, masks))
         budget -= len(chunk) + len(drafts)
 
     for seq in prefilling:  # ContinuePrefills, then StartPrefills (admission order)
@@ -100,7 +110,8 @@ def pack_lanes(active: list[Sequence], prefilling: list[Sequence], memory: Memor
             continue
         chunk = _prefill_chunk(memory, levers, seq, budget)
         if chunk and memory.grow(seq, seq.num_computed + len(chunk)):
-            packed.append(_row(seq, chunk, spec_depth=spec_depth))
+            packed.append(_row(seq, chunk, spec_depth=spec_depth,
+                               masks=grammar_masks(seq, _samples(seq, chunk))[1]))
             budget -= len(chunk)
 
     starved = None
