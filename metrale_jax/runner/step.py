@@ -117,7 +117,10 @@ class StepRunner:
         buffers, layout = pack((batch, sampling, targets, spec))
         if mask is None:  # one mask per position a row samples: k+1 in a speculative step
             mask = self.masks.none(batch.num_rows, options.spec_depth + 1)
-        return self._jitted(self._leaves, jax.device_put(buffers), caches, tables, mask, lora,
+        # One transfer: the packed inputs and, for a constrained batch, its host masks (the
+        # device constant of an unconstrained one is not copied again).
+        buffers, mask = jax.device_put((buffers, mask))
+        return self._jitted(self._leaves, buffers, caches, tables, mask, lora,
                             layout=layout, options=options)
 
 

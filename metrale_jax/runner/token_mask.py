@@ -6,7 +6,8 @@ step. `positions` is 1 for the plain step and k+1 for the speculative one, which
 to k drafts per row: row s, position j at s * positions + j, each with the mask of the state
 after the row's drafts before j (a row's positions past its drafts are off). A batch with no
 constrained row passes a constant kept on the device (`MaskSource.none`): nothing is built
-or sent on the host, and the device skips the masking under a traced cond.
+or sent on the host, and the device skips the masking under a traced cond. A constrained
+batch's masks travel in the same `device_put` as the step's packed inputs.
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ class MaskSource:
 
     def for_rows(self, masks: Sequence[np.ndarray | None], num_rows: int,
                  positions: int = 1) -> TokenMask:
+        """The device constant, or the rows' masks still on the host: the step sends them
+        in its one input transfer, with the batch (`StepRunner.__call__`)."""
         host = pack_masks(masks, num_rows, self.width, positions)
-        return self.none(num_rows, positions) if host is None else jax.device_put(host)
+        return self.none(num_rows, positions) if host is None else host
 
 
 def allowed_tokens(bits: Int[Array, "R W"], vocab: int) -> Bool[Array, "R V"]:
