@@ -155,6 +155,13 @@ class SamplingParams:
         return len(tokens)
 
     @property
+    def uses_penalties(self) -> bool:
+        """Repetition, presence or frequency penalty on (each output token then changes the
+        next token's distribution)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 

@@ -137,18 +137,12 @@ class Sequence:
         p = self.params
         if (self.drafts_at != len(self.output_ids) or self.inflight
                 or self.num_computed != self.virtual_len - 1
-                or self.row_sampling_uses_penalties or self.num_sampled < p.min_tokens):
+                or p.uses_penalties or self.num_sampled < p.min_tokens):
             return []
         room = min(depth, len(self.drafts), budget - 1, self.max_len - self.virtual_len - 1)
         if p.max_tokens is not None:
             room = min(room, p.max_tokens - self.num_sampled - 1)
         return self.drafts[:max(room, 0)]
-
-    @property
-    def row_sampling_uses_penalties(self) -> bool:
-        p = self.params
-        return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0)
 
     def prompt_targets(self, start: int, length: int) -> list[int]:
         """For prompt logprobs: the token after each position, -1 past the prompt."""
