@@ -60,12 +60,12 @@ CASES = {
         vocab_size=515, hidden_size=64, num_heads=8, head_dim=16, expand=2, n_groups=2,
         state_size=16, num_hidden_layers=2, chunk_size=4, tie_word_embeddings=True,
         time_step_limit=(0.005, 2.0))),
-    # M * - M * with GQA 2, n_groups 2, chunks of 4; a time_step_min clamp that bites.
+    # M * - M * with GQA 2, n_groups 2, chunks of 4; a dt clamp (time_step_limit) that bites.
     "nemotronh_gqa2_groups2": (NemotronHForCausalLM, NemotronHConfig(
         vocab_size=515, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, intermediate_size=128, mamba_num_heads=8, mamba_head_dim=16, n_groups=2,
         ssm_state_size=16, chunk_size=4, max_position_embeddings=64, initializer_range=0.1,
-        time_step_min=0.05,
+        time_step_limit=(0.05, float("inf")),
         layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention",
                            "full_attention"])),
 }

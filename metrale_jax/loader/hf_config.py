@@ -154,6 +154,12 @@ def _transformer(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
     )
 
 
+def _dt_limit(limit: Any) -> dict[str, float]:
+    """A Mamba2 mixer's dt clamp, `time_step_limit` = (low, high), as our config fields."""
+    low, high = limit
+    return dict(time_step_min=float(low), time_step_max=float(high))
+
+
 def _mamba_fields(hf: Mapping[str, Any], arch: str, heads: int, head_dim: int) -> dict[str, Any]:
     groups = _get(hf, "n_groups", "mamba_n_groups", default=1)
     return dict(
@@ -179,11 +185,10 @@ def _mamba2(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
         _refuse(arch, "expand", f"* hidden_size = {inner} differs from num_heads * head_dim = "
                                 f"{heads * head_dim}")
     # Mamba2 clamps dt into time_step_limit (time_step_min/max only shape the initialisation).
-    low, high = hf.get("time_step_limit", (0.0, math.inf))
     return dict(
         layer_pattern="M" * hf["num_hidden_layers"],
         **_mamba_fields(hf, arch, heads, head_dim),
-        time_step_min=float(low), time_step_max=float(high),
+        **_dt_limit(hf.get("time_step_limit", (0.0, math.inf))),
         # A recurrent model has no position limit; the engine's max_seq_len governs.
         max_position_embeddings=hf.get("max_position_embeddings", 1 << 20),
     )
@@ -227,9 +232,9 @@ def _nemotron_h(hf: Mapping[str, Any], arch: str, has_mtp_weights: bool) -> dict
         intermediate_size=hf["intermediate_size"],
         mlp_kind="relu2",
         **_mamba_fields(hf, arch, hf["mamba_num_heads"], hf["mamba_head_dim"]),
-        # The mixer clamps dt into (time_step_min, inf) and ignores time_step_limit.
-        time_step_min=float(_get(hf, "time_step_min", "mamba_dt_min", default=0.001)),
-        time_step_max=math.inf,
+        # dt is clamped into time_step_limit, as in Mamba2 and NVIDIA's own code (transformers
+        # up to 5.24 clamped into (time_step_min, inf) instead; 5.25 follows the limit).
+        **_dt_limit(_get(hf, "time_step_limit", "mamba_dt_limit", default=(0.0, math.inf))),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         **mtp,
     )
