@@ -147,7 +147,7 @@ def test_prefill_logits_match_peft(case, bases, ours, tmp_path):
         assert {p.split(".")[1] for p in weights.targets} == {"0", "1", "3"}
 
     slots = allocate_lora_slots(cfg, LORA)
-    slots = write_slot(slots, np.int32(1), *slot_arrays(cfg, LORA, weights))
+    slots = write_slot(slots, np.int32(0), *slot_arrays(cfg, LORA, weights))  # slot 1
     rng = np.random.RandomState(0)
     prompt = rng.randint(0, cfg.vocab_size, 11).tolist()
     other = rng.randint(0, cfg.vocab_size, 5).tolist()

@@ -59,6 +59,39 @@ def model_targets(cfg: ModelConfig) -> dict[str, Target]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class TargetGroup:
+    """Targets of one block that read the same input, adapted by one fused matmul pair."""
+
+    path: str                        # "blocks.3.mixer.qkv"
+    d_in: int                        # the shared input width
+    members: tuple[Target, ...]      # in output-column order
+
+    @property
+    def d_out(self) -> int:
+        return sum(t.d_out for t in self.members)
+
+
+# Projections of one block kind that read one input (the step applies their adapters with one
+# `x @ A` and one `@ B` per group: on XLA:CPU every small matmul costs ~40us however small).
+_GROUPS = {"A": {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",)},
+           "F": {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)},
+           "M": {"in": ("in_proj",), "out": ("out_proj",)}}
+
+
+def model_groups(cfg: ModelConfig) -> dict[str, TargetGroup]:
+    """Every target of `model_targets`, in groups of one block sharing an input, by path."""
+    targets, out = model_targets(cfg), {}
+    for i, kind in enumerate(cfg.layer_pattern):
+        for group, names in _GROUPS[kind].items():
+            members = tuple(targets[target_path(i, n)] for n in names
+                            if target_path(i, n) in targets)
+            if members:
+                path = target_path(i, group)
+                out[path] = TargetGroup(path, members[0].d_in, members)
+    return out
+
+
 def target_paths(cfg: ModelConfig) -> list[str]:
     """The keys `LoraWeights.targets` may use, in a fixed order."""
     return list(model_targets(cfg))

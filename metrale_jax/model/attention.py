@@ -8,7 +8,7 @@ from jaxtyping import Array, Float
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.layers import RMSNorm, linear
-from metrale_jax.model.lora import BlockLora, project
+from metrale_jax.model.lora import BlockLora, group_deltas, project
 from metrale_jax.model.rope import apply_rope, inverse_frequencies
 from pallas_kernels.backend import XLA, KernelOps
 
@@ -33,9 +33,10 @@ class Attention(nnx.Module):
                  lora: BlockLora | None = None) -> tuple[Float[Array, "T D"], KVPages]:
         cfg = self.cfg
         t = x.shape[0]
-        q = project(self.q_proj, x, lora, "q_proj").reshape(t, cfg.num_heads, cfg.head_dim)
-        k = project(self.k_proj, x, lora, "k_proj").reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = project(self.v_proj, x, lora, "v_proj").reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        dq, dk, dv = group_deltas(lora, "qkv", x, ("q_proj", "k_proj", "v_proj"))
+        q = project(self.q_proj, x, dq).reshape(t, cfg.num_heads, cfg.head_dim)
+        k = project(self.k_proj, x, dk).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = project(self.v_proj, x, dv).reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.use_rope:
@@ -47,4 +48,5 @@ class Attention(nnx.Module):
             batch.to_padded(q), k_pages, v_pages, batch.block_tables, batch.context_lens,
             batch.to_padded(batch.positions), scale=cfg.head_dim ** -0.5)
         out = batch.to_flat(out).reshape(t, cfg.num_heads * cfg.head_dim)
-        return project(self.o_proj, out, lora, "o_proj"), (k_pages, v_pages)
+        (do,) = group_deltas(lora, "o", out, ("o_proj",))
+        return project(self.o_proj, out, do), (k_pages, v_pages)

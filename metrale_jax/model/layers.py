@@ -8,7 +8,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.model.lora import BlockLora, project
+from metrale_jax.model.lora import BlockLora, group_deltas, project
 
 
 def dtype_of(cfg: ModelConfig) -> jnp.dtype:
@@ -64,9 +64,11 @@ class MLP(nnx.Module):
 
     def __call__(self, x: Float[Array, "T D"], lora: BlockLora | None = None,
                  ) -> Float[Array, "T D"]:
-        up = project(self.up_proj, x, lora, "up_proj")
         if self.kind == "gated_silu":
-            h = jax.nn.silu(project(self.gate_proj, x, lora, "gate_proj")) * up
+            d_gate, d_up = group_deltas(lora, "gate_up", x, ("gate_proj", "up_proj"))
+            h = jax.nn.silu(project(self.gate_proj, x, d_gate)) * project(self.up_proj, x, d_up)
         else:
-            h = jnp.square(jax.nn.relu(up))
-        return project(self.down_proj, h, lora, "down_proj")
+            (d_up,) = group_deltas(lora, "gate_up", x, ("up_proj",))
+            h = jnp.square(jax.nn.relu(project(self.up_proj, x, d_up)))
+        (d_down,) = group_deltas(lora, "down", h, ("down_proj",))
+        return project(self.down_proj, h, d_down)

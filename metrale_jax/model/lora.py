@@ -1,16 +1,17 @@
 """Batched multi-LoRA inside the step: every token gets its own row's adapter.
 
-The adapters sit in device slots, per target projection `A [in, L+1, R]` and
-`B [L+1, R, out]` (L = max_loras, R = max_lora_rank, slot 0 all zeros: the base model, the
-scaling already folded into B; see runner/lora_slots.py). Each token carries its row's slot.
-A target projection then adds `(x @ A[:, slot]) @ B[slot]` per token.
+The adapters sit in device slots 1..L (L = max_loras, R = max_lora_rank; slot 0, no adapter,
+has no storage): per target `B [L, R, out]` with the scaling folded in, and per group of
+targets reading one input (q/k/v, gate/up, or a projection alone) `A [in, G, L, R]` (see
+runner/lora_slots.py). Each token carries its row's slot. A target then adds
+`(x @ A[:, slot]) @ B[slot]` per token.
 
 How: against every slot at once, then masked. `x @ A` as one dense matmul gives
-`[T, (L+1)*R]` (A's layout makes that a free reshape), a 0/1 mask keeps each token's own
-slot's R columns, and one dense matmul with B `[(L+1)*R, out]` (free reshape too) sums back.
-The work is T*(L+1)*R*(in+out) whatever the mix of adapters, as two GEMMs and a multiply,
-with no copy of the weights. Measured on the 2-core CPU (L=4, R=16; base = the
-[T, D] @ [D, D] projection itself; a first version of this masked form):
+`[T, L*R]` per member (A's layout makes that a free reshape), a 0/1 mask keeps each token's
+own slot's R columns, and one dense matmul with B `[L*R, out]` (free reshape too) sums back.
+The work is T*L*R*(in+out) whatever the mix of adapters, as GEMMs and a multiply, with no
+copy of the weights. Measured on the 2-core CPU (L=4, R=16; base = the [T, D] @ [D, D]
+projection itself; a first version of this masked form, which also computed slot 0):
 
   D     T    base    per-token gather (A[slots] einsum)   masked GEMMs   lax.ragged_dot
   256   16   113us    87us                                115us          166us
@@ -21,9 +22,11 @@ with no copy of the weights. Measured on the 2-core CPU (L=4, R=16; base = the
   1024  512  19ms    69ms                                 2.4ms          14ms
 
 The gather materialises `[T, in, R]` per projection; ragged_dot needs a sort and falls back
-to a dense-per-group loop on XLA:CPU. Storing A as `[in, L+1, R]` and the mask precomputed
-(this version) then took the decode-sized cases from 98us to 46us (D=256, T=16) and from
-277us to 212us (D=1024, T=16), the same at T=128..512 within the machine's noise.
+to a dense-per-group loop on XLA:CPU. At decode sizes on a small model each of these
+matmuls is a YNNPACK fusion of 15-50us, so the count matters as much as the flops: the
+members of a group share one `x @ A`, and slot 0 (no adapter) is neither stored nor computed
+(a fifth of the work at L=4). A block-diagonal B per group would save the per-member `@ B`
+calls too, but multiplies their flops by the group size: measured no faster.
 """
 
 from __future__ import annotations
@@ -41,51 +44,60 @@ from jaxtyping import Array, Float, Int
 class LoraInputs:
     """What the backbone needs for a LoRA step (an explicit argument, never a global)."""
 
-    a: dict[str, Float[Array, "I L1 R"]]   # target path -> [in, L+1, R]
-    b: dict[str, Float[Array, "L1 R O"]]   # target path -> [L+1, R, out], scaling folded in
-    mask: Float[Array, "T L1R"]            # [T, (L+1)*R] 1 on the R columns of the token's slot
+    a: dict[str, Float[Array, "I G L R"]]  # group path -> [in, members, L, R]
+    b: dict[str, Float[Array, "L R O"]]    # target path -> [L, R, out], scaling folded in
+    mask: Float[Array, "T LR"]             # [T, L*R] 1 on the R columns of the token's slot
 
     @classmethod
     def for_tokens(cls, a: dict, b: dict, token_slots: Int[Array, "T"]) -> "LoraInputs":
-        """`token_slots`: [T] the adapter slot of each token's row (0: none)."""
-        _, num, r = next(iter(a.values())).shape
-        dtype = next(iter(a.values())).dtype
-        hit = token_slots[:, None] == jnp.arange(num, dtype=token_slots.dtype)  # [T, L+1]
-        mask = jnp.repeat(hit.astype(dtype), r, axis=1)                       # [T, (L+1)*R]
-        return cls(a, b, mask)
+        """`token_slots`: [T] the adapter slot of each token's row (0: none, all zeros)."""
+        num, r = next(iter(b.values())).shape[:2]
+        dtype = next(iter(b.values())).dtype
+        hit = token_slots[:, None] == jnp.arange(1, num + 1, dtype=token_slots.dtype)  # [T, L]
+        return cls(a, b, jnp.repeat(hit.astype(dtype), r, axis=1))
 
     def block(self, index: int) -> "BlockLora | None":
-        """The adapters of backbone block `index`, keyed by projection name."""
+        """The adapters of backbone block `index`: groups and targets by their own names."""
         prefix = f"blocks.{index}.mixer."
-        names = [p[len(prefix):] for p in self.a if p.startswith(prefix)]
-        if not names:
-            return None
-        return BlockLora({n: self.a[prefix + n] for n in names},
-                         {n: self.b[prefix + n] for n in names}, self.mask)
+
+        def mine(d: dict) -> dict:
+            return {p[len(prefix):]: x for p, x in d.items() if p.startswith(prefix)}
+
+        a = mine(self.a)
+        return BlockLora(a, mine(self.b), self.mask) if a else None
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BlockLora:
-    a: dict[str, Float[Array, "I L1 R"]]   # projection name -> [in, L+1, R]
-    b: dict[str, Float[Array, "L1 R O"]]   # projection name -> [L+1, R, out]
-    mask: Float[Array, "T L1R"]            # [T, (L+1)*R] see LoraInputs
+    a: dict[str, Float[Array, "I G L R"]]  # group name (qkv, gate_up, ...) -> see LoraInputs
+    b: dict[str, Float[Array, "L R O"]]    # target name (q_proj, ...) -> see LoraInputs
+    mask: Float[Array, "T LR"]             # see LoraInputs
 
 
-def lora_delta(x: Float[Array, "T I"], a: Float[Array, "I L1 R"], b: Float[Array, "L1 R O"],
-               mask: Float[Array, "T L1R"]) -> Float[Array, "T O"]:
-    """Per token t: `x[t] @ a[:, slot_t] @ b[slot_t]` (zero for slot 0), as two dense
-    matmuls over every slot with the other slots' columns masked out."""
-    d_in, num, r = a.shape
-    h = x @ a.reshape(d_in, num * r).astype(x.dtype)              # [T, (L+1)*R]
-    h = h * mask.astype(x.dtype)
-    return h @ b.reshape(num * r, -1).astype(x.dtype)             # [T, out]
+def group_deltas(lora: BlockLora | None, group: str, x: Float[Array, "T I"],
+                 members: tuple[str, ...]) -> tuple[Float[Array, "T _"] | None, ...]:
+    """Per member target of `group` (in the group's order, lora.targets), the tokens' adapter
+    outputs `x[t] @ A[:, slot_t] @ B[slot_t]`; Nones without adapters. One matmul against
+    every slot's A of every member, then per member its columns, the other slots' masked
+    out, and one matmul with its B over every slot."""
+    if lora is None or group not in lora.a:
+        return (None,) * len(members)
+    a = lora.a[group]
+    d_in, g, num, r = a.shape
+    if g != len(members):
+        raise ValueError(f"LoRA group {group}: {g} members on the device, {members} asked")
+    h = x @ a.reshape(d_in, g * num * r).astype(x.dtype)           # [T, G*L*R]
+    mask = lora.mask.astype(x.dtype)
+    out = []
+    for i, name in enumerate(members):
+        hi = h[:, i * num * r:(i + 1) * num * r] * mask             # [T, L*R]
+        out.append(hi @ lora.b[name].reshape(num * r, -1).astype(x.dtype))
+    return tuple(out)
 
 
-def project(linear: nnx.Linear, x: Float[Array, "T I"], lora: BlockLora | None, name: str,
+def project(linear: nnx.Linear, x: Float[Array, "T I"], delta: Float[Array, "T O"] | None,
             ) -> Float[Array, "T O"]:
-    """`linear(x)`, plus the tokens' adapters when `lora` has one for projection `name`."""
+    """`linear(x)`, plus the tokens' adapter output `delta` when there is one."""
     y = linear(x)
-    if lora is None or name not in lora.a:
-        return y
-    return y + lora_delta(x, lora.a[name], lora.b[name], lora.mask).astype(y.dtype)
+    return y if delta is None else y + delta.astype(y.dtype)

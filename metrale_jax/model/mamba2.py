@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, Int
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.layers import GatedRMSNorm, dtype_of, linear
-from metrale_jax.model.lora import BlockLora, project
+from metrale_jax.model.lora import BlockLora, group_deltas, project
 from pallas_kernels.backend import XLA, KernelOps
 from pallas_kernels.scatter import set_rows
 
@@ -87,7 +87,8 @@ class Mamba2Mixer(nnx.Module):
         cfg = self.cfg
         inner, h, p = cfg.mamba_inner, cfg.mamba_num_heads, cfg.mamba_head_dim
         g, n = cfg.mamba_groups, cfg.ssm_state_size
-        z, xbc, dt = jnp.split(project(self.in_proj, x, lora, "in_proj"),
+        (d_in,) = group_deltas(lora, "in", x, ("in_proj",))
+        z, xbc, dt = jnp.split(project(self.in_proj, x, d_in),
                                [inner, inner + cfg.conv_dim], axis=-1)
 
         conv_pool, ssm_pool = state
@@ -138,7 +139,9 @@ class Mamba2Mixer(nnx.Module):
             candidates = (tails, states)
         y = y + xs.astype(jnp.float32) * self.d_skip[...][:, None]
         y = batch.to_flat(y.reshape(s, q, inner).astype(x.dtype))
-        out = project(self.out_proj, self.norm(y, z), lora, "out_proj")
+        gated = self.norm(y, z)
+        (d_out,) = group_deltas(lora, "out", gated, ("out_proj",))
+        out = project(self.out_proj, gated, d_out)
 
         conv_pool = set_rows(conv_pool, slots, conv_tail)
         ssm_pool = set_rows(ssm_pool, slots, new_ssm)

@@ -110,7 +110,7 @@ class ModelRunner:
     def _write_adapter(self, slot: int, weights: "LoraWeights | None") -> None:
         a, b = slot_arrays(self.model_config, self.engine.lora, weights)  # checks first
         self.counter.record(("write_lora",))
-        self.lora_slots = self._write_lora(self.lora_slots, np.int32(slot), a, b)
+        self.lora_slots = self._write_lora(self.lora_slots, np.int32(slot - 1), a, b)
 
     def _allocate_caches(self) -> None:
         # Committed to the device like every step's outputs: jit keys its cache on that, so
@@ -286,10 +286,10 @@ class ModelRunner:
             bias_ids=np.full(self.book.bias_len, -1, np.int32),
             bias_values=np.zeros(self.book.bias_len, np.float32)))
         self.copy_slots([0], [0])
-        if self.lora_slots is not None:  # zeros into slot 0, which stays the base model
+        if self.lora_slots is not None:  # a write past the last slot: dropped
             self.counter.record(("write_lora",))
             a, b = slot_arrays(self.model_config, self.engine.lora, None)
-            self.lora_slots = self._write_lora(self.lora_slots, np.int32(0), a, b)
+            self.lora_slots = self._write_lora(self.lora_slots, np.int32(self.max_loras), a, b)
         self.caches, buckets = warm_buckets(self.caches, self.engine.max_blocks_per_seq,
                                             with_state=self.has_ssm)
         for b in buckets:
