@@ -63,7 +63,7 @@ class ModelRunner:
         self.placement = TensorParallel.for_engine(engine.parallel, model.cfg)
         if self.placement is not None:
             ops = model.use_ops(self.placement.kernel_ops(ops))
-            model.logits_sharding = self.placement.replicated
+        model.logits_sharding = self.placement.replicated if self.placement else None
         self.step = StepRunner(model, counter, store=ProgramStore.from_setting(
             engine.program_cache), store_tag=f"{model.cfg!r} {ops!r}",
             placement=self.placement)
