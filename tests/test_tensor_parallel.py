@@ -88,7 +88,7 @@ def _close(a: list, b: list) -> bool:
 def test_tensor_parallel_equals_one_device(tp_runs):
     """tp=2 and tp=4 (tp=2 only for the built-in model: 6 heads) give the greedy outputs
     and log-probabilities of tp=1, through spills and resumes, prefix-cache hits and the
-    async pipeline, with no step compiled twice."""
+    async pipeline; after warm-up, a sharded engine compiles nothing while serving."""
     single = {r["model"]: r for r in tp_runs if r.get("tp") == 1}
     sharded = [r for r in tp_runs if r.get("tp", 1) > 1]
     assert set(single) == {"llama", "nemotronh", "default"}
@@ -103,7 +103,7 @@ def test_tensor_parallel_equals_one_device(tp_runs):
         assert _close(r["prompt_logprobs"], one["prompt_logprobs"]), where
         assert r["spills"] > 0 and r["swap_ins"] > 0, where
         assert r["prefix_hit_tokens"] > 0, where
-        assert r["step_programs"] == 1, f"{where}: the step compiled again"
+        assert r["compiled_while_serving"] == [], where
 
 
 def test_kernels_run_per_shard(tp_runs):

@@ -111,19 +111,24 @@ def _logprobs(positions) -> list:
 def run(name: str, tp: int) -> dict:
     from metrale_jax.engine import LLMEngine
 
+    from tests.jax_events import BACKEND_COMPILE, EventWatch
+
     _install(name)
     engine = LLMEngine(None, tensor_parallel_size=tp, **ENGINE)
     try:
-        scored = _greedy(engine, [list(range(5, 25))], 6, logprobs=2, prompt_logprobs=2)[0]
-        shared = list(range(30, 54))  # three full blocks every prompt starts with
-        prompts = [shared + list(range(100 + 7 * i, 104 + 7 * i)) for i in range(4)]
-        outputs = [s.output_ids for s in _greedy(engine, prompts, 16)]
+        if tp > 1:  # every program a sharded engine runs is compiled here, none later
+            engine.runner.warmup(progress=False)
+        with EventWatch(BACKEND_COMPILE) as watch:
+            scored = _greedy(engine, [list(range(5, 25))], 6, logprobs=2,
+                             prompt_logprobs=2)[0]
+            shared = list(range(30, 54))  # three full blocks every prompt starts with
+            prompts = [shared + list(range(100 + 7 * i, 104 + 7 * i)) for i in range(4)]
+            outputs = [s.output_ids for s in _greedy(engine, prompts, 16)]
         counters = engine.core.tel.counters()
         return {"model": name, "tp": tp, "outputs": outputs, "scored": scored.output_ids,
                 "logprobs": _logprobs(scored.logprobs),
                 "prompt_logprobs": _logprobs(scored.prompt_logprobs[1:]),
-                # One step shape (one query bucket): more would be a recompile.
-                "step_programs": engine.runner.step._jitted._cache_size(),
+                "compiled_while_serving": watch.names if tp > 1 else [],
                 "spills": counters.get("spills", 0), "swap_ins": counters.get("swap_ins", 0),
                 "prefix_hit_tokens": engine.core.memory.pool.stats.prefix_hit_tokens}
     finally:
