@@ -1,6 +1,6 @@
-"""Tensor parallel: the config's checks here, and tp=2 / tp=4 against one device on
-simulated CPU devices in a subprocess (tests/tp_equivalence.py: the device count must be
-set before jax is imported, which this worker has already done)."""
+"""Tensor and data parallel: the config's checks here, and tp=2 / tp=4 / dp=2 against one
+device on simulated CPU devices in a subprocess (tests/tp_equivalence.py: the device count
+must be set before jax is imported, which this worker has already done)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ LOGPROB_TOL = 1e-4
 def test_tensor_parallel_size_must_be_positive():
     with pytest.raises(ParallelConfigError, match="tensor_parallel_size"):
         ParallelConfig(0)
-    assert EngineConfig().parallel.tp == 1
+    with pytest.raises(ParallelConfigError, match="data_parallel_size"):
+        ParallelConfig(1, 0)
+    assert EngineConfig().parallel.tp == 1 and ParallelConfig(2, 3).num_devices == 6
 
 
 def test_heads_must_split_evenly():
@@ -43,10 +45,13 @@ def test_heads_must_split_evenly():
 def test_more_devices_than_there_are_is_refused():
     import jax
 
-    from metrale_jax.parallel.placement import make_tp_mesh
+    from metrale_jax.parallel.placement import device_groups, make_tp_mesh
 
     with pytest.raises(ParallelConfigError, match="xla_force_host_platform_device_count=8"):
         make_tp_mesh(8, jax.devices()[:1])
+    with pytest.raises(ParallelConfigError, match="data_parallel_size x tensor_parallel_size"):
+        device_groups(ParallelConfig(2, 2), jax.devices()[:1])
+    assert device_groups(ParallelConfig(1, 1), jax.devices()[:1]) == [jax.devices()[:1]]
 
 
 def test_parameter_specs_follow_megatron():
@@ -112,6 +117,16 @@ def test_kernels_run_per_shard(tp_runs):
     diffs = next(r["ops"] for r in tp_runs if "ops" in r)
     assert {k.split()[0] for k in diffs} >= {"pallas-interpret"}
     assert max(diffs.values()) <= 1e-5, diffs
+
+
+def test_data_parallel_equals_one_engine(tp_runs):
+    """dp=2 (two engines on devices 0 and 1 behind the prefix-affinity router): every
+    request of a mixed batch finishes with one engine's output; the shared-prefix prompts
+    all went to one engine, the other prompt to the other."""
+    one = next(r for r in tp_runs if r.get("model") == "llama" and r["tp"] == 1)
+    dp = next(r for r in tp_runs if r.get("dp") == 2)
+    assert dp["outputs"] == [one["scored"]] + one["outputs"]
+    assert dp["engines"] == [0, 1, 1, 1, 1]
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused(tp_runs):

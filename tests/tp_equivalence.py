@@ -192,6 +192,27 @@ def ops_check(backends: tuple[str, ...] = ("auto", "pallas"), tps: tuple[int, ..
     return diffs
 
 
+def dp_run() -> dict:
+    """Data parallel: two tiny-Llama engines on devices 0 and 1 behind the router, one
+    mixed batch (the prompt-logprob request and the shared-prefix prompts of `run`)."""
+    from metrale_jax.parallel.data_parallel import DataParallelLLM
+    from metrale_jax.request import SamplingParams
+
+    _install("llama")
+    llm = DataParallelLLM(None, data_parallel_size=2, **ENGINE)
+    try:
+        shared = list(range(30, 54))
+        prompts = [list(range(5, 25))] + [shared + list(range(100 + 7 * i, 104 + 7 * i))
+                                          for i in range(4)]
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                  for n in [6] + [16] * 4]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return {"dp": 2, "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                "engines": llm.last_engines}
+    finally:
+        llm.close()
+
+
 def refused(tp: int) -> str:
     """The error of a tp that does not divide the built-in model's heads."""
     from metrale_jax.engine import LLMEngine
@@ -212,6 +233,9 @@ def main(names: list[str]) -> None:
             print(json.dumps(run(name, tp)), flush=True)
             print(f"{name} tp={tp}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     print(json.dumps({"refused": refused(4)}), flush=True)
+    start = time.perf_counter()
+    print(json.dumps(dp_run()), flush=True)
+    print(f"dp=2: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     start = time.perf_counter()
     print(json.dumps({"ops": ops_check()}), flush=True)
     print(f"ops: {time.perf_counter() - start:.1f} s", file=sys.stderr)

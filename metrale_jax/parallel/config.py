@@ -23,12 +23,23 @@ class ParallelConfigError(ValueError):
 class ParallelConfig:
     # Devices one model is split over (the mesh axis `tp`); 1 is the single-device path.
     tensor_parallel_size: int = 1
+    # Engines side by side, each on its own group of tensor_parallel_size devices, behind a
+    # prefix-affinity router (parallel/data_parallel.py); 1: one engine.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        n = self.tensor_parallel_size
-        if type(n) is not int or n < 1:
-            raise ParallelConfigError(
-                f"tensor_parallel_size: must be a positive integer, got {n!r}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            n = getattr(self, name)
+            if type(n) is not int or n < 1:
+                raise ParallelConfigError(f"{name}: must be a positive integer, got {n!r}")
+
+    @property
+    def dp(self) -> int:
+        return self.data_parallel_size
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp * self.dp
 
     @property
     def tp(self) -> int:

@@ -30,12 +30,27 @@ def make_tp_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     shardings through the step (with `Explicit`, the default of `jax.make_mesh`, a matmul
     over a split contracting dimension would need an explicit `out_sharding`)."""
     devices = list(devices if devices is not None else jax.devices())
-    if len(devices) < tp:
-        raise ParallelConfigError(
-            f"tensor_parallel_size: {tp} needs {tp} devices, this process sees "
-            f"{len(devices)} ({devices[0].platform}); on the CPU, simulate them with "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={tp} set before jax is imported")
+    _require_devices(tp, devices, "tensor_parallel_size")
     return Mesh(np.array(devices[:tp]), (AXIS,), axis_types=(AxisType.Auto,))
+
+
+def device_groups(config: ParallelConfig, devices: Sequence[jax.Device] | None = None,
+                  ) -> list[list[jax.Device]]:
+    """Data parallel: engine i's devices, `devices[i * tp:(i + 1) * tp]`."""
+    devices = list(devices if devices is not None else jax.devices())
+    _require_devices(config.num_devices, devices,
+                     "data_parallel_size x tensor_parallel_size")
+    tp = config.tp
+    return [devices[i * tp:(i + 1) * tp] for i in range(config.dp)]
+
+
+def _require_devices(need: int, devices: list, what: str) -> None:
+    if len(devices) < need:
+        raise ParallelConfigError(
+            f"{what}: {need} devices needed, this process sees {len(devices)} "
+            f"({devices[0].platform}); on the CPU, simulate them with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={need} set before jax is "
+            f"imported")
 
 
 class TensorParallel:
@@ -49,9 +64,13 @@ class TensorParallel:
 
     @classmethod
     def for_engine(cls, config: ParallelConfig, model_config: ModelConfig,
-                   ) -> "TensorParallel | None":
-        """The placement of a `tensor_parallel_size` > 1 engine; None for one device."""
-        return cls(config, model_config) if config.tp > 1 else None
+                   devices: Sequence[jax.Device] | None = None) -> "TensorParallel | None":
+        """The placement of an engine split over `tensor_parallel_size` > 1 devices, or of
+        one given its own `devices` (a data-parallel replica); None for the default device:
+        the single-device path."""
+        if config.tp == 1 and devices is None:
+            return None
+        return cls(config, model_config, devices)
 
     @property
     def tp(self) -> int:

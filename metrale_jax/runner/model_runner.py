@@ -53,14 +53,16 @@ def _copy_slots(caches: DeviceCaches, src: jax.Array, dst: jax.Array) -> DeviceC
 
 class ModelRunner:
     def __init__(self, model: HybridLM, engine: EngineConfig, counter: CompileCounter | None = None,
-                 num_snapshot_slots: int = 0):
+                 num_snapshot_slots: int = 0, devices: Sequence[jax.Device] | None = None):
+        """`devices`: the device group this runner owns (data parallel: one engine per
+        group); None: the first `tensor_parallel_size` devices."""
         self.engine = engine
         self.model_config = model.cfg
         self.ladders = BucketLadders.from_config(engine)
         ops = model.use_kernels(engine.kernel_backend)  # before the split: the choice is static
         # Tensor parallel (None: one device, today's path untouched): the kernels then run
         # per shard, and parameters, caches and tables live on the mesh.
-        self.placement = TensorParallel.for_engine(engine.parallel, model.cfg)
+        self.placement = TensorParallel.for_engine(engine.parallel, model.cfg, devices)
         if self.placement is not None:
             ops = model.use_ops(self.placement.kernel_ops(ops))
         model.logits_sharding = self.placement.replicated if self.placement else None
