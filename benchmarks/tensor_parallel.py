@@ -6,9 +6,9 @@ before jax is imported) and share the same cores, so the figures show what split
 (the per-shard programs, the all-reduces, the logits gathered for the sampler), never a
 speedup. On a machine with several accelerators the same script measures the real thing.
 
-Each size: one engine, warmed up, `--requests` greedy requests of `--prompt-len` prompt
-tokens and `--output-len` new tokens, all submitted at once; one untimed run, then the best
-of `--rounds` timed runs.
+Each size: one engine, `--requests` greedy requests of `--prompt-len` prompt tokens and
+`--output-len` new tokens, all submitted at once; one untimed run (it compiles the shapes
+the timed runs use), then the best of `--rounds` timed runs.
 
 Run: `python -m benchmarks.tensor_parallel [--sizes 1 2] [--requests 8] [--output-len 32]`.
 """
@@ -42,7 +42,7 @@ def _run(engine, prompts, output_len: int) -> float:
 def measure(tp: int, args) -> dict:
     from metrale_jax.engine import LLM
 
-    llm = LLM(None, tensor_parallel_size=tp, max_batch_size=args.requests,
+    llm = LLM(None, warmup=False, tensor_parallel_size=tp, max_batch_size=args.requests,
               max_seq_len=args.prompt_len + args.output_len + 1, enable_prefix_cache=False)
     prompts = [[(7 * i + j) % 4000 + 10 for j in range(args.prompt_len)]
                for i in range(args.requests)]

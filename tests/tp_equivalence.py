@@ -4,7 +4,9 @@
 imported (which a pytest worker has already done), then for each model and each tp runs
 one engine through the same workload and prints one JSON line per (model, tp): the greedy
 outputs, the log-probabilities (top-n of every sampled and prompt position), the spill,
-swap-in and prefix-hit counts. `tests/test_tensor_parallel.py` compares them with tp=1's.
+swap-in and prefix-hit counts, and what compiled while serving after warm-up (tp > 1).
+Then: the per-shard ops op by op, the refused tp=4 of the built-in model, and dp=2 (two
+engines behind the router). `tests/test_tensor_parallel.py` compares all with tp=1's.
 
 The workload covers what the acceptance asks for in one engine per (model, tp): a pool so
 small that admission must spill running sequences and resume them, prompts sharing a
