@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from metrale_jax.lora.config import LoraConfig
+from metrale_jax.parallel.config import ParallelConfig
 from metrale_jax.spec.config import SpeculativeConfig
 
 # A layer pattern is a string with one character per residual block:
@@ -181,10 +182,14 @@ class EngineConfig:
     # The grammar engine of structured outputs: "llguidance" (a dependency) or "xgrammar"
     # (extra `grammar-xgrammar`). Checked at startup, so a missing package fails there.
     structured_outputs_backend: str = "llguidance"
+    # How the model is spread over devices (metrale_jax/parallel/): tensor parallel size.
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self) -> None:
         # A dict or JSON text (vLLM's shape) becomes the validated object.
         object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
+        _require(isinstance(self.parallel, ParallelConfig), "parallel",
+                 f"must be a ParallelConfig, got {type(self.parallel).__name__}")
         for name in ("block_size", "kv_memory_bytes", "max_seq_len", "max_batch_size",
                      "max_tokens_per_tick"):
             _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")

@@ -25,6 +25,7 @@ from metrale_jax.lora.registry import AdapterLoader, AdapterRegistry, peft_loade
 from metrale_jax.lora.request import LoRARequest
 from metrale_jax.lora.weights import LoraError
 from metrale_jax.outputs import RequestOutput
+from metrale_jax.parallel.config import ParallelConfig
 from metrale_jax.request import Request, RequestError, SamplingParams, check_context
 from metrale_jax.runner.model_runner import ModelRunner
 from metrale_jax.scheduler.core import SchedulerCore
@@ -64,8 +65,10 @@ class LLMEngine:
                  speculative_config=None, enable_lora: bool = False,
                  max_loras: int | None = None, max_lora_rank: int | None = None,
                  runner=None, adapter_loader: AdapterLoader | None = None,
-                 **engine_overrides):
-        """`enable_lora`, `max_loras`, `max_lora_rank`: vLLM's names for `EngineConfig.lora`.
+                 tensor_parallel_size: int | None = None, devices=None, **engine_overrides):
+        """`enable_lora`, `max_loras`, `max_lora_rank`: vLLM's names for `EngineConfig.lora`;
+        `tensor_parallel_size`: vLLM's name for `EngineConfig.parallel` (metrale_jax/parallel);
+        `devices`: the device group the engine runs on (data parallel; None: the first).
         `runner`: a runner built elsewhere instead of the model's (tests: the fake one);
         `adapter_loader`: how adapter directories are read (default: PEFT)."""
         loaded = load(model, dtype)
@@ -80,6 +83,8 @@ class LLMEngine:
         lora = lora_config(enable_lora, max_loras, max_lora_rank)
         if lora is not None:
             engine_overrides["lora"] = lora
+        if tensor_parallel_size is not None:
+            engine_overrides["parallel"] = ParallelConfig(tensor_parallel_size)
         if engine_overrides:
             engine = engine.replace(**engine_overrides)
         if engine.speculative is not None:
@@ -91,7 +96,8 @@ class LLMEngine:
         self.engine_config = engine
         check_installed(engine.structured_outputs_backend)  # at startup, not on a request
         self.runner = runner or ModelRunner(loaded.model, engine,
-                                            num_snapshot_slots=engine.num_ssm_snapshots)
+                                            num_snapshot_slots=engine.num_ssm_snapshots,
+                                            devices=devices)
         # Multi-LoRA: the registry of adapters (None: LoRA off); the scheduler owns its slots.
         self.adapters = None
         if engine.lora is not None:

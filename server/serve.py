@@ -18,6 +18,7 @@ import os
 import pathlib
 
 from metrale_jax.config import KV_CACHE_DTYPES
+from metrale_jax.parallel.config import ParallelConfig
 
 API_KEY_ENV = "METRALE_API_KEY"
 DEFAULT_CACHE = pathlib.Path.home() / ".cache" / "metrale_jax" / "xla"
@@ -79,6 +80,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--prefill-chunk-size", type=int, default=256)
     e.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs")
     e.add_argument("--kernel-backend", choices=("auto", "pallas", "xla"), default="auto")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many devices (a mesh axis 'tp'); it must "
+                        "divide the attention and Mamba2 head counts. On the CPU, simulate "
+                        "devices with XLA_FLAGS=--xla_force_host_platform_device_count=N")
     e.add_argument("--structured-outputs-backend", choices=("llguidance", "xgrammar"),
                    default="llguidance", help="grammar engine of structured outputs "
                    "(xgrammar: pip install 'metrale-jax[grammar-xgrammar]')")
@@ -127,7 +132,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   structured_outputs_backend=args.structured_outputs_backend,
                   enable_prefix_cache=not args.no_prefix_cache,
                   enable_pipeline=not args.no_pipeline, enable_swap=not args.no_swap,
-                  seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, ladders=args.ladders)
+                  seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, ladders=args.ladders,
+                  parallel=ParallelConfig(args.tensor_parallel_size))
     kwargs.update(lora_kwargs(args))
     for name in ("token", "seq", "prefill_seq", "query", "block"):
         ladder = getattr(args, f"{name}_buckets")

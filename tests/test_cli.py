@@ -34,3 +34,12 @@ def test_serve_ladders_pad_decode_rows_finely_and_prefill_rows_coarsely():
     assert (mixed.rows, mixed.query_len, mixed.tokens) == (48, 128, 128)
     over = engine_kwargs(build_parser().parse_args(["serve", "--prefill-seq-buckets", "4,64"]))
     assert over["prefill_seq_buckets"] == (4, 64)
+
+
+def test_serve_takes_a_tensor_parallel_size():
+    from metrale_jax.cli import build_parser
+    from server.serve import engine_kwargs
+
+    assert engine_kwargs(build_parser().parse_args(["serve"]))["parallel"].tp == 1
+    args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])
+    assert engine_kwargs(args)["parallel"].tp == 2

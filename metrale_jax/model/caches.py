@@ -39,17 +39,22 @@ def num_kv_layers(cfg: ModelConfig, with_mtp: bool = False) -> int:
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: str,
-                       with_mtp: bool = False) -> int:
-    per_layer = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(kv_dtype).itemsize
+                       with_mtp: bool = False, kv_heads: int | None = None) -> int:
+    """Bytes of one block over every KV layer; `kv_heads`: heads one device stores (tensor
+    parallel), default the model's."""
+    kv_heads = cfg.num_kv_heads if kv_heads is None else kv_heads
+    per_layer = 2 * block_size * kv_heads * cfg.head_dim * jnp.dtype(kv_dtype).itemsize
     return per_layer * num_kv_layers(cfg, with_mtp)
 
 
 def num_kv_blocks(cfg: ModelConfig, engine: EngineConfig, with_mtp: bool = False) -> int:
-    """Blocks in the pool, the null block included: explicit, or what the budget holds."""
+    """Blocks in the pool, the null block included: explicit, or what the budget holds.
+    Under tensor parallelism the budget is each device's, as its pages hold its KV heads."""
     if engine.num_kv_blocks is not None:
         return engine.num_kv_blocks
+    kv_heads = engine.parallel.kv_heads_per_device(cfg.num_kv_heads)
     per_block = kv_bytes_per_block(cfg, engine.block_size, kv_cache_dtype(cfg, engine),
-                                   with_mtp)
+                                   with_mtp, kv_heads)
     if per_block == 0:
         # An attention-free model has no KV arrays: its block pool is bookkeeping alone (the
         # scheduler's lengths, prefix hashes for SSM snapshots), so size it to hold every
@@ -73,10 +78,14 @@ def kv_cache_dtype(cfg: ModelConfig, engine: EngineConfig) -> str:
 
 
 def allocate_caches(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
-                    kv_dtype: str | None = None, with_mtp: bool = False) -> DeviceCaches:
+                    kv_dtype: str | None = None, with_mtp: bool = False,
+                    kv_heads: int | None = None) -> DeviceCaches:
+    """`kv_heads`: the pool's KV heads, default the model's (tensor parallel with fewer KV
+    heads than devices stores one per device: `ParallelConfig.stored_kv_heads`)."""
     dt = jnp.dtype(cfg.dtype)
     kv_dt = jnp.dtype(kv_dtype or cfg.dtype)
-    page = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+    page = (num_blocks, cfg.num_kv_heads if kv_heads is None else kv_heads, block_size,
+            cfg.head_dim)
     kv = tuple((jnp.zeros(page, kv_dt), jnp.zeros(page, kv_dt))
                for _ in range(num_kv_layers(cfg, with_mtp)))
     n_mamba = len(cfg.mamba_layers)

@@ -7,6 +7,7 @@ pattern. MTP modules (DeepSeek-V3) draft further tokens from the final hidden st
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
@@ -84,11 +85,18 @@ class HybridLM(nnx.Module):
             self.lm_head = linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs)
         self.mtp = nnx.List([MTPModule(cfg, rngs) for _ in range(cfg.num_mtp_modules)])
         self.ops = XLA  # static: the kernel set of the model-level ops (MTP acceptance)
+        # Static: where `logits` puts its result (tensor parallel: replicated, the vocabulary
+        # gathered from the shards of the LM head for the sampler; None: left as computed).
+        self.logits_sharding = None
 
     def use_kernels(self, kernel_backend: str) -> KernelOps:
         """Route every attention and Mamba2 mixer (MTP ones too) through `kernel_backend`
         ("auto" | "pallas" | "xla", see pallas_kernels/backend.py); split the model after."""
-        ops = resolve(kernel_backend)
+        return self.use_ops(resolve(kernel_backend))
+
+    def use_ops(self, ops: KernelOps) -> KernelOps:
+        """Route every mixer and the model-level ops through `ops` (a `KernelOps`, or one
+        with the same methods: parallel/ops.py runs them per shard); split the model after."""
         self.ops = ops
         for block in [*self.blocks, *(b for m in self.mtp for b in m.blocks)]:
             if block.kind in ("A", "M"):
@@ -116,8 +124,14 @@ class HybridLM(nnx.Module):
 
     def logits(self, hidden: Float[Array, "N D"]) -> Float[Array, "N V"]:
         if self.cfg.tie_word_embeddings:
-            return (hidden @ self.embed.embedding[...].T).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+            logits = (hidden @ self.embed.embedding[...].T).astype(jnp.float32)
+        else:
+            logits = self.lm_head(hidden).astype(jnp.float32)
+        if self.logits_sharding is not None:
+            # One all-gather of [N, V] rows; the sampler's sorts and top-k then run whole
+            # on every device (XLA:CPU cannot partition a top-k over a split vocabulary).
+            logits = jax.lax.with_sharding_constraint(logits, self.logits_sharding)
+        return logits
 
     def mtp_forward(self, depth: int, hidden: Float[Array, "T D"], next_ids: Int[Array, "T"],
                     batch: StepBatch, caches: DeviceCaches,

@@ -22,6 +22,7 @@ from metrale_jax.config import EngineConfig
 from metrale_jax.model.caches import (DeviceCaches, allocate_caches, kv_cache_dtype,
                                       num_kv_blocks)
 from metrale_jax.model.hybrid import HybridLM
+from metrale_jax.parallel.placement import TensorParallel
 from metrale_jax.runner.buckets import BucketLadders, CompileCounter, StepShape
 from metrale_jax.runner.inputs import build_step_batch
 from metrale_jax.runner.lora_slots import allocate_lora_slots, slot_arrays, write_slot
@@ -52,13 +53,22 @@ def _copy_slots(caches: DeviceCaches, src: jax.Array, dst: jax.Array) -> DeviceC
 
 class ModelRunner:
     def __init__(self, model: HybridLM, engine: EngineConfig, counter: CompileCounter | None = None,
-                 num_snapshot_slots: int = 0):
+                 num_snapshot_slots: int = 0, devices: Sequence[jax.Device] | None = None):
+        """`devices`: the device group this runner owns (data parallel: one engine per
+        group); None: the first `tensor_parallel_size` devices."""
         self.engine = engine
         self.model_config = model.cfg
         self.ladders = BucketLadders.from_config(engine)
         ops = model.use_kernels(engine.kernel_backend)  # before the split: the choice is static
+        # Tensor parallel (None: one device, today's path untouched): the kernels then run
+        # per shard, and parameters, caches and tables live on the mesh.
+        self.placement = TensorParallel.for_engine(engine.parallel, model.cfg, devices)
+        if self.placement is not None:
+            ops = model.use_ops(self.placement.kernel_ops(ops))
+        model.logits_sharding = self.placement.replicated if self.placement else None
         self.step = StepRunner(model, counter, store=ProgramStore.from_setting(
-            engine.program_cache), store_tag=f"{model.cfg!r} {ops!r}")
+            engine.program_cache), store_tag=f"{model.cfg!r} {ops!r}",
+            placement=self.placement)
         # Speculative decoding drafts with the MTP modules, whose attention layers then get
         # KV pages too (same blocks, more layers); off, they get none.
         spec = engine.speculative
@@ -72,19 +82,39 @@ class ModelRunner:
         self.num_slots = self.num_seq_slots + (num_snapshot_slots if self.has_ssm else 0)
         self._width = history_width(engine.max_seq_len)
         self._allocate_caches()
-        self._copy_slots = jax.jit(_copy_slots, donate_argnums=(0,))
-        self._write_history = jax.jit(write_history, donate_argnums=(0,))
-        self._write_bias = jax.jit(write_bias, donate_argnums=(0,))
+        self._copy_slots = self._donating(_copy_slots, self._cache_shardings())
+        self._write_history = self._donating(write_history, self._replicated())
+        self._write_bias = self._donating(write_bias, self._replicated())
         self._init_lora()
+
+    def _donating(self, fun, out_shardings):
+        """`fun` jitted with its first argument donated; under tensor parallelism with its
+        outputs' shardings declared, so they stay where the step expects them."""
+        if out_shardings is None:
+            return jax.jit(fun, donate_argnums=(0,))
+        return jax.jit(fun, donate_argnums=(0,), out_shardings=out_shardings)
+
+    def _cache_shardings(self):
+        return None if self.placement is None else self.placement.cache_shardings(self.caches)
+
+    def _replicated(self):
+        return None if self.placement is None else self.placement.replicated
+
+    def _on_devices(self, tree):
+        """Host arrays committed where the runner keeps them: device 0, or every device of
+        the mesh (tensor parallel; caches go through `placement.place_caches` instead)."""
+        if self.placement is None:
+            return jax.device_put(tree, jax.devices()[0])
+        return self.placement.replicate(tree)
 
     def _init_lora(self) -> None:
         """With `engine.lora`: the adapter slots, all zero (runner/lora_slots.py). They are
         no step's donated output, so a failed step never loses them."""
         self.lora_slots = None
         if self.engine.lora is not None:
-            self.lora_slots = jax.device_put(
-                allocate_lora_slots(self.model_config, self.engine.lora), jax.devices()[0])
-            self._write_lora = jax.jit(write_slot, donate_argnums=(0,))
+            self.lora_slots = self._on_devices(
+                allocate_lora_slots(self.model_config, self.engine.lora))
+            self._write_lora = self._donating(write_slot, self._replicated())
 
     @property
     def max_loras(self) -> int:
@@ -115,13 +145,16 @@ class ModelRunner:
     def _allocate_caches(self) -> None:
         # Committed to the device like every step's outputs: jit keys its cache on that, so
         # fresh arrays would make the first shape compile twice (once more mid-serving).
-        cfg, engine, device = self.model_config, self.engine, jax.devices()[0]
-        self.caches = jax.device_put(allocate_caches(
+        cfg, engine, place = self.model_config, self.engine, self.placement
+        caches = allocate_caches(
             cfg, self.num_blocks, engine.block_size,
             self.num_slots if self.has_ssm else 1, kv_cache_dtype(cfg, engine),
-            with_mtp=self.spec_depth > 0), device)
-        self.tables = jax.device_put(allocate_slot_tables(
-            self.num_slots, self.num_seq_slots, self._width, engine.max_logit_bias), device)
+            with_mtp=self.spec_depth > 0,
+            kv_heads=place.stored_kv_heads if place is not None else None)
+        self.caches = (jax.device_put(caches, jax.devices()[0]) if place is None
+                       else place.place_caches(caches))
+        self.tables = self._on_devices(allocate_slot_tables(
+            self.num_slots, self.num_seq_slots, self._width, engine.max_logit_bias))
         # What the host believes each slot's history and bias hold: nothing, now.
         self.book = SlotBook(self.num_seq_slots, self._width, engine.max_logit_bias)
 
@@ -234,7 +267,7 @@ class ModelRunner:
     def scatter(self, arrays, blocks: Sequence[int], slot: int | None) -> None:
         """A spilled sequence's state written back into (new) blocks and slot."""
         self.counter.record(("swap", block_bucket(len(blocks)), slot is not None))
-        self.caches = scatter_sequence(self.caches, arrays, blocks, slot)
+        self.caches = scatter_sequence(self.caches, arrays, blocks, slot, self.placement)
 
     def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy SSM conv/state rows `src` -> `dst` (snapshots), ordered after every step
@@ -291,7 +324,7 @@ class ModelRunner:
             a, b = slot_arrays(self.model_config, self.engine.lora, None)
             self.lora_slots = self._write_lora(self.lora_slots, np.int32(self.max_loras), a, b)
         self.caches, buckets = warm_buckets(self.caches, self.engine.max_blocks_per_seq,
-                                            with_state=self.has_ssm)
+                                            with_state=self.has_ssm, placement=self.placement)
         for b in buckets:
             self.counter.record(("swap", b, self.has_ssm))
         jax.block_until_ready((self.caches, self.tables, self.lora_slots))

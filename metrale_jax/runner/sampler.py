@@ -263,8 +263,11 @@ def _filter_thresholds(
     width = min(cap + 1, vocab)
     # [S, W] descending, = the sort's prefix. The barrier keeps XLA from moving uses of
     # the result into the conds below, which would stop it from matching the sort it
-    # expands top_k into back to its TopK kernel (CPU): a full sort, 30-50x slower.
-    vals, ids = jax.lax.optimization_barrier(jax.lax.top_k(scaled, width))
+    # expands top_k into back to its TopK kernel (CPU): a full sort, 30-50x slower. One
+    # barrier per output: a single barrier over top_k's tuple crashes XLA:CPU's TopK
+    # decomposer in a program over several devices (tensor parallel; jax 0.10.2).
+    vals, ids = jax.lax.top_k(scaled, width)
+    vals, ids = jax.lax.optimization_barrier(vals), jax.lax.optimization_barrier(ids)
     pos = jnp.arange(width)[None, :]
     k = jnp.where(top_k <= 0, vocab, jnp.minimum(top_k, vocab))  # [S]
     min_logit = vals[:, 0] + jnp.log(min_p)  # [S]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,9 @@ from metrale_jax.runner.stored_step import StoredStep
 from metrale_jax.runner.token_mask import MaskSource, TokenMask, apply_token_mask
 from metrale_jax.runner.transfer import Layout, pack, unpack
 from pallas_kernels.cpu import build as cpu_build
+
+if TYPE_CHECKING:
+    from metrale_jax.parallel.placement import TensorParallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,21 +76,42 @@ class StepOutput:
 
 
 class StepRunner:
-    """Owns the split model and the jitted step; counts compiled variants."""
+    """Owns the split model and the jitted step; counts compiled variants.
+
+    With a `placement` (tensor parallel, parallel/placement.py) the parameters are put on
+    their shardings and the step is jitted with its outputs' shardings declared: the caches
+    keep theirs, everything else is replicated. Such a step is not kept in the program
+    store (a stored program is lowered for one device)."""
 
     def __init__(self, model: HybridLM, counter: CompileCounter | None = None,
-                 store: ProgramStore | None = None, store_tag: str = ""):
+                 store: ProgramStore | None = None, store_tag: str = "",
+                 placement: "TensorParallel | None" = None):
         graphdef, state = nnx.split(model)
         self.model_config = model.cfg
-        self._leaves, treedef = jax.tree.flatten(state)
+        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        self._leaves = [leaf for _, leaf in paths_leaves]
+        self.placement = placement
+        if placement is not None:
+            self._leaves = placement.place_params([p for p, _ in paths_leaves], self._leaves)
         self.counter = counter or CompileCounter()
         self.masks = MaskSource(model.cfg.vocab_size)
-        step = functools.partial(_step, graphdef, treedef)
-        self._jitted = jax.jit(step, static_argnames=("layout", "options"),
-                               donate_argnames=("caches", "tables"))
-        if store is not None:  # later starts skip tracing: see runner/stored_step.py
-            self._jitted = StoredStep(step, self._jitted, store, store_tag,
+        self._step = functools.partial(_step, graphdef, treedef)
+        self._jitted = None if placement is not None else jax.jit(
+            self._step, static_argnames=("layout", "options"),
+            donate_argnames=("caches", "tables"))
+        if store is not None and placement is None:  # later starts skip tracing
+            self._jitted = StoredStep(self._step, self._jitted, store, store_tag,
                                       custom_calls=tuple(cpu_build.TARGETS))
+
+    def _sharded_step(self, caches: DeviceCaches):
+        """The tensor-parallel step, jitted once the caches' structure is known."""
+        if self._jitted is None:
+            rep = self.placement.replicated
+            self._jitted = jax.jit(
+                self._step, static_argnames=("layout", "options"),
+                donate_argnames=("caches", "tables"),
+                out_shardings=(rep, self.placement.cache_shardings(caches), rep))
+        return self._jitted
 
     @property
     def params(self) -> list[jax.Array]:
@@ -119,9 +144,14 @@ class StepRunner:
             mask = self.masks.none(batch.num_rows, options.spec_depth + 1)
         # One transfer: the packed inputs and, for a constrained batch, its host masks (the
         # device constant of an unconstrained one is not copied again).
-        buffers, mask = jax.device_put((buffers, mask))
-        return self._jitted(self._leaves, buffers, caches, tables, mask, lora,
-                            layout=layout, options=options)
+        if self.placement is None:
+            buffers, mask = jax.device_put((buffers, mask))
+            jitted = self._jitted
+        else:  # a full copy on every device of the mesh
+            buffers, mask = self.placement.replicate((buffers, mask))
+            jitted = self._sharded_step(caches)
+        return jitted(self._leaves, buffers, caches, tables, mask, lora,
+                      layout=layout, options=options)
 
 
 def _step(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: DeviceCaches,

@@ -10,6 +10,10 @@ number of compiled variants stays bounded (a handful per cache layout, all of th
 at warm-up by `warm_buckets`): gather pads with the null block 0 and slices the padding off on
 the host; scatter pads with an out-of-range block id and `mode="drop"`, so padding writes
 nowhere, not even into the null block.
+Under tensor parallelism (`placement`) the pools are sharded by head: `jax.device_get` of
+the gathered (still sharded) rows assembles every device's heads on the host, and swap-in
+puts each host array straight onto its pool's sharding (each device receives its own heads)
+before the scatter, whose output keeps the pools' shardings.
 Array names: `kv{i}_k`, `kv{i}_v` ([n_blocks, kv_heads, block_size, head_dim]) per KV layer,
 `conv{i}` ([K-1, conv_dim]) and `ssm{i}` ([H, P, N] float32) per Mamba2 layer.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -26,12 +31,17 @@ from jaxtyping import Array, Int, Shaped
 
 from metrale_jax.model.caches import DeviceCaches
 
+if TYPE_CHECKING:
+    from metrale_jax.parallel.placement import TensorParallel
+
 HostArray = Shaped[np.ndarray, "..."]
 
 
 def gather_sequence(caches: DeviceCaches, blocks: Sequence[int], slot: int | None,
                     ) -> dict[str, HostArray]:
-    """Copy a sequence's KV blocks (and, with a slot, its conv/SSM rows) to the host."""
+    """Copy a sequence's KV blocks (and, with a slot, its conv/SSM rows) to the host; the
+    same host arrays whether or not the pools are sharded (a sharded array is read back
+    whole)."""
     _check_blocks(caches, blocks)
     _check_slot(caches, slot)
     ids = np.zeros(block_bucket(len(blocks)), np.int32)  # pad with the null block: read, never kept
@@ -48,7 +58,8 @@ def gather_sequence(caches: DeviceCaches, blocks: Sequence[int], slot: int | Non
 
 
 def scatter_sequence(caches: DeviceCaches, arrays: Mapping[str, HostArray],
-                     blocks: Sequence[int], slot: int | None) -> DeviceCaches:
+                     blocks: Sequence[int], slot: int | None,
+                     placement: "TensorParallel | None" = None) -> DeviceCaches:
     """Write gathered state into `blocks` (and `slot`); `caches` is donated, use the result."""
     _check_blocks(caches, blocks, distinct=True)
     _check_slot(caches, slot)
@@ -61,8 +72,17 @@ def scatter_sequence(caches: DeviceCaches, arrays: Mapping[str, HostArray],
     with_state = slot is not None
     conv = tuple(arrays[f"conv{i}"] for i in range(len(caches.conv))) if with_state else ()
     ssm = tuple(arrays[f"ssm{i}"] for i in range(len(caches.ssm))) if with_state else ()
-    return _scatter(caches, kv, conv, ssm, ids, np.int32(slot or 0),
-                    with_state=with_state)
+    return _run_scatter(caches, kv, conv, ssm, ids, np.int32(slot or 0), with_state,
+                        placement)
+
+
+def _run_scatter(caches, kv, conv, ssm, ids, slot, with_state: bool, placement,
+                 ) -> DeviceCaches:
+    if placement is None:
+        return _scatter(caches, kv, conv, ssm, ids, slot, with_state=with_state)
+    kv, conv, ssm = placement.place_swap_rows(kv, conv, ssm)
+    program = _sharded_scatter(placement.cache_shardings(caches))
+    return program(caches, kv, conv, ssm, ids, slot, with_state=with_state)
 
 
 def expected_layout(caches: DeviceCaches, num_blocks: int, with_state: bool,
@@ -90,8 +110,7 @@ def _gather(caches: DeviceCaches, block_ids: Int[Array, "B"], slot: Int[Array, "
     return kv, tuple(c[slot] for c in caches.conv), tuple(s[slot] for s in caches.ssm)
 
 
-@functools.partial(jax.jit, static_argnames=("with_state",), donate_argnums=(0,))
-def _scatter(caches: DeviceCaches, kv: tuple, conv: tuple, ssm: tuple,
+def _scatter_rows(caches: DeviceCaches, kv: tuple, conv: tuple, ssm: tuple,
              block_ids: Int[Array, "B"], slot: Int[Array, ""], with_state: bool,
              ) -> DeviceCaches:
     new_kv = tuple((k.at[block_ids].set(nk, mode="drop"), v.at[block_ids].set(nv, mode="drop"))
@@ -103,6 +122,16 @@ def _scatter(caches: DeviceCaches, kv: tuple, conv: tuple, ssm: tuple,
                         ssm=tuple(s.at[slot].set(x) for s, x in zip(caches.ssm, ssm)))
 
 
+_scatter = jax.jit(_scatter_rows, static_argnames=("with_state",), donate_argnums=(0,))
+
+
+@functools.cache
+def _sharded_scatter(out_shardings: DeviceCaches):
+    """The scatter for sharded pools, its output declared on the pools' shardings."""
+    return jax.jit(_scatter_rows, static_argnames=("with_state",), donate_argnums=(0,),
+                   out_shardings=out_shardings)
+
+
 # -- host-side checks and padding ----------------------------------------------------------
 
 def block_bucket(n: int) -> int:
@@ -111,6 +140,7 @@ def block_bucket(n: int) -> int:
 
 
 def warm_buckets(caches: DeviceCaches, max_blocks: int, with_state: bool,
+                 placement: "TensorParallel | None" = None,
                  ) -> tuple[DeviceCaches, list[int]]:
     """Compile gather and scatter for every bucket a sequence of up to `max_blocks` blocks
     can need, on padding only (reads of the null block, dropped writes, the null slot 0),
@@ -127,8 +157,8 @@ def warm_buckets(caches: DeviceCaches, max_blocks: int, with_state: bool,
         kv = tuple((host[f"kv{i}_k"], host[f"kv{i}_v"]) for i in range(len(caches.kv)))
         conv = tuple(host[f"conv{i}"] for i in range(len(caches.conv))) if with_state else ()
         ssm = tuple(host[f"ssm{i}"] for i in range(len(caches.ssm))) if with_state else ()
-        caches = _scatter(caches, kv, conv, ssm, np.full(b, caches.num_blocks, np.int32),
-                          np.int32(0), with_state=with_state)
+        caches = _run_scatter(caches, kv, conv, ssm, np.full(b, caches.num_blocks, np.int32),
+                              np.int32(0), with_state, placement)
     return caches, buckets
 
 

@@ -1,0 +1,14 @@
+"""Scale-out on JAX's own machinery: a `jax.sharding.Mesh` with a `tp` axis.
+
+* `config.py`  — `ParallelConfig`, the one typed object for parallelism (host only, no jax).
+* `specs.py`   — which `PartitionSpec` each parameter and cache array gets.
+* `ops.py`     — `ShardedOps`: the kernel set run per shard with `jax.shard_map`.
+* `placement.py` — `TensorParallel`: the mesh, the shardings, and putting arrays on them;
+  `device_groups`: each data-parallel engine's devices.
+* `router.py`  — data parallel: the prefix-affinity router (host only, no jax).
+* `data_parallel.py` — `DataParallelLLM`: M engines behind the router (offline API).
+
+Tensor parallelism of size 1 builds none of this: the runner's single-device path is
+unchanged. This `__init__` imports nothing, so `metrale_jax.config` can import
+`parallel.config` without loading jax.
+"""
