@@ -25,6 +25,7 @@ class Memory:
         self.slots = SlotPool(num_seq_slots)        # SSM state slot + future-token cell
         self.snapshots = SnapshotPool(snapshot_slots)
         self.has_kv = num_blocks > 1                # a pure-SSM model has no KV pool
+        self._copies: list[tuple[int, int]] = []   # (src, dst) snapshot copies queued
 
     # ---- queries ------------------------------------------------------------------------
 
@@ -95,12 +96,53 @@ class Memory:
             self.pool.release(tail)
 
     def snapshot_boundary(self, seq: Sequence) -> None:
-        """After a commit that ends exactly on the computed tokens, keep the SSM state there
-        (the copy runs after this step on the device)."""
-        if self.has_ssm and seq.num_computed == len(seq.block_hashes) * self.block_size:
-            slot = self.snapshots.reserve(seq.block_hashes[-1])
+        """After a step that ended `seq` exactly on a block boundary, keep the SSM state
+        there: keyed at once when the block's hash is known, else staged until the token
+        that filled it is read back (`publish_staged`). The copy is queued and runs, with
+        the step's other copies, at `flush_copies`, before any later step."""
+        end, bs = seq.num_computed, self.block_size
+        if not self.has_ssm or end == 0 or end % bs:
+            return
+        if len(seq.block_hashes) * bs >= end:
+            block_hash = seq.block_hashes[end // bs - 1]
+            if block_hash in self.snapshots:
+                self.snapshots.lookup(block_hash)  # the same state, kept already
+                return
+            slot = self.snapshots.reserve(block_hash)
             if slot is not None:
-                self._copy_slots([seq.slot], [slot])
+                self._copies.append((seq.slot, slot))
+                self._kept(seq, block_hash, end)
+        else:
+            slot = self.snapshots.stage(seq.uid, end)
+            if slot is not None:
+                self._copies.append((seq.slot, slot))
+
+    def publish_staged(self, seq: Sequence) -> None:
+        """Key the sequence's staged snapshot once its block's hash is committed."""
+        end = self.snapshots.staged_at(seq.uid)
+        if end is None or len(seq.block_hashes) * self.block_size < end:
+            return
+        block_hash = seq.block_hashes[end // self.block_size - 1]
+        if self.snapshots.publish(seq.uid, block_hash):
+            self._kept(seq, block_hash, end)
+
+    def _kept(self, seq: Sequence, block_hash: bytes, end: int) -> None:
+        """Decode-time snapshots are capped at one per sequence: the newest replaces the
+        one before (prompt boundaries are kept: they are what shared prefixes hit)."""
+        if end <= len(seq.prompt_ids):
+            return
+        if seq.decode_snapshot is not None:
+            self.snapshots.discard(seq.decode_snapshot)
+        seq.decode_snapshot = block_hash
+
+    def flush_copies(self) -> None:
+        """Dispatch the queued snapshot copies as one batch (sources are sequence slots,
+        destinations snapshot slots; a slot evicted and retaken gets the later copy)."""
+        if not self._copies:
+            return
+        by_dst = {dst: src for src, dst in self._copies}
+        self._copies.clear()
+        self._copy_slots(list(by_dst.values()), list(by_dst))
 
     def reclaim_for(self, seq: Sequence) -> int:
         """Evict cached prefix blocks for an admitted prompt, never the prefix it will reuse
@@ -116,6 +158,9 @@ class Memory:
         if seq.slot:
             self.slots.free(seq.slot)
             seq.slot = 0
+        # A staged snapshot's token was never read back; the last kept one stays cached.
+        self.snapshots.drop_staged(seq.uid)
+        seq.decode_snapshot = None
 
     def forget_device_state(self) -> None:
         """The device caches were re-allocated empty: cached prefix blocks and SSM snapshots
@@ -133,4 +178,6 @@ class Memory:
                 self.slots.num_slots - 1:
             raise AssertionError(f"SSM slots out of balance: held {sorted(held)}, "
                                  f"{self.slots.num_free} free of {self.slots.num_slots - 1}")
-        self.snapshots.check_integrity()
+        self.snapshots.check_integrity([s.uid for s in live])
+        if self._copies:
+            raise AssertionError(f"snapshot copies queued and never run: {self._copies}")

@@ -1,0 +1,148 @@
+"""Hybrid state reuse on the fake runner: decode-time SSM snapshots (a finished turn's last
+block boundary is a prefix hit for the next turn), their density cap, the snapshot pool's
+states, and multi-turn workloads whose outputs equal solo runs (no jax, no sleep)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from metrale_jax.cache.ssm_snapshots import SnapshotPool
+from tests.fake_runner import reference_continuation
+from tests.scheduler_harness import assert_accounted, make_core, make_request, run
+
+
+# ---- the pool's states ------------------------------------------------------------------
+
+def test_staged_snapshot_is_not_matchable_until_published():
+    pool = SnapshotPool([7, 8])
+    slot = pool.stage("seq", 16)
+    assert slot in (7, 8) and pool.staged_at("seq") == 16 and pool.used == 1
+    assert pool.stage("seq", 32) is None  # one staged per sequence
+    assert b"h" not in pool
+    assert pool.publish("seq", b"h") and pool.lookup(b"h") == slot
+    assert pool.staged_at("seq") is None
+    pool.check_integrity(owners=[])
+
+
+def test_publishing_a_known_boundary_frees_the_staged_copy():
+    pool = SnapshotPool([1, 2])
+    kept = pool.reserve(b"h")
+    pool.stage("seq", 8)
+    assert not pool.publish("seq", b"h")
+    assert pool.lookup(b"h") == kept and pool.used == 1
+    pool.check_integrity(owners=[])
+
+
+def test_pinned_snapshots_survive_eviction_and_staged_ones_need_an_owner():
+    pool = SnapshotPool([1, 2])
+    pool.reserve(b"a")
+    assert pool.pin(b"a") and not pool.pin(b"missing")
+    pool.reserve(b"b")
+    pool.reserve(b"c")  # evicts b, never the pinned a
+    assert b"a" in pool and b"b" not in pool and b"c" in pool
+    assert not pool.discard(b"a")
+    pool.pin(b"c")
+    assert pool.reserve(b"d") is None and pool.stage("s", 4) is None  # all pinned
+    pool.unpin(b"a")
+    assert pool.stage("s", 4) is not None and b"a" not in pool
+    with pytest.raises(AssertionError, match="finished sequences"):
+        pool.check_integrity(owners=[])
+    pool.drop_staged("s")
+    pool.check_integrity(owners=[])
+    with pytest.raises(ValueError, match="not pinned"):
+        pool.unpin(b"a")
+
+
+# ---- decode-time snapshots in the scheduler -----------------------------------------------
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_next_turn_reuses_the_last_decode_boundary(pipeline):
+    core = make_core(block_size=4, pipeline=pipeline, chunk=64)
+    prompt = [3, 1, 4, 1, 5]
+    first = make_request(prompt, 10)
+    run(core, [first])
+    # 5 prompt + 9 fed outputs = 14 computed: boundaries at 4 (prompt), 8 and 12 (decode);
+    # the cap keeps only the newest decode one.
+    reply = first.sequences[0].output_ids
+    assert core.snapshots.used == 2
+    history = prompt + reply
+    second = make_request(history + [9, 2, 6], 4)
+    hits_before = core.pool.stats.prefix_hit_tokens
+    run(core, [second])
+    assert core.pool.stats.prefix_hit_tokens - hits_before == 12
+    assert second.sequences[0].output_ids == reference_continuation(history + [9, 2, 6], 4)
+    assert_accounted(core)
+
+
+def test_a_long_decode_keeps_one_decode_snapshot():
+    core = make_core(block_size=2, chunk=64, max_seq_len=64)
+    request = make_request([1, 2, 3], 40)
+    core.inbox.submit(request)
+    peak = 0
+    while not request.finished:
+        core.tick()
+        peak = max(peak, core.snapshots.used)
+    core.drain()
+    # The prompt's boundary at 2, plus at most one decode-time snapshot (two while the
+    # next one is staged and not yet published).
+    assert peak <= 3
+    assert core.snapshots.used == 2
+    assert_accounted(core)
+
+
+# ---- multi-turn exactness ------------------------------------------------------------------
+
+configs = st.fixed_dictionaries({
+    "block_size": st.sampled_from([1, 2, 4, 8]),
+    "budget": st.sampled_from([4, 16, 64]),
+    "chunk": st.sampled_from([1, 3, 64]),
+    "pipeline": st.booleans(),
+    "prefix": st.booleans(),
+    "swap": st.booleans(),
+    "tight": st.booleans(),  # a KV pool just big enough for one sequence: spill, preempt
+})
+
+chats = st.lists(st.fixed_dictionaries({
+    "turns": st.lists(st.tuples(st.lists(st.integers(0, 96), min_size=1, max_size=6),
+                                st.integers(1, 8)), min_size=1, max_size=4),
+    "arrive": st.integers(0, 4),
+}), min_size=1, max_size=4)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs, work=chats)
+def test_multi_turn_outputs_equal_solo_runs(cfg, work):
+    """Each turn's prompt is the chat so far (prompts and replies) plus a new message;
+    whatever is reused, every reply equals the one computed from scratch."""
+    bs, max_len = cfg["block_size"], 64
+    num_blocks = (max_len // bs + 2) if cfg["tight"] else 4 * max_len // bs
+    core = make_core(num_blocks=num_blocks, block_size=bs, max_batch=4,
+                     budget=max(cfg["budget"], 4), chunk=cfg["chunk"],
+                     pipeline=cfg["pipeline"], prefix=cfg["prefix"], swap=cfg["swap"],
+                     max_seq_len=max_len)
+    history = [[] for _ in work]
+    current = [None] * len(work)
+    turn = [0] * len(work)
+    for tick in range(5000):
+        for i, chat in enumerate(work):
+            request = current[i]
+            if request is not None and request.finished:
+                seq = request.sequences[0]
+                want = reference_continuation(seq.prompt_ids, seq.params.max_tokens)
+                assert seq.output_ids == want, (cfg, chat, turn[i])
+                history[i] = seq.prompt_ids + seq.output_ids
+                current[i], turn[i] = None, turn[i] + 1
+            if current[i] is None and tick >= chat["arrive"] and turn[i] < len(chat["turns"]):
+                message, max_tokens = chat["turns"][turn[i]]
+                prompt = (history[i] + message)[-(max_len - 10):]
+                current[i] = make_request(prompt, max_tokens, max_len=max_len)
+                core.inbox.submit(current[i])
+        if all(t == len(c["turns"]) for t, c in zip(turn, work)):
+            break
+        core.tick()
+    else:
+        raise AssertionError("workload did not finish")
+    core.drain()
+    assert_accounted(core)
