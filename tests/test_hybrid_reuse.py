@@ -9,8 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from metrale_jax.cache.ssm_snapshots import SnapshotPool
+from metrale_jax.scheduler.sessions import CloseSession, SessionConfig
 from tests.fake_runner import reference_continuation
-from tests.scheduler_harness import assert_accounted, make_core, make_request, run
+from tests.scheduler_harness import (assert_accounted, make_core, make_request,
+                                     poison_free_slots, run)
 
 
 # ---- the pool's states ------------------------------------------------------------------
@@ -102,26 +104,34 @@ configs = st.fixed_dictionaries({
     "prefix": st.booleans(),
     "swap": st.booleans(),
     "tight": st.booleans(),  # a KV pool just big enough for one sequence: spill, preempt
+    "sessions": st.booleans(),
+    "session_blocks": st.sampled_from([2, 512]),
+    "pinned_fraction": st.sampled_from([0.25, 1.0]),
 })
 
 chats = st.lists(st.fixed_dictionaries({
     "turns": st.lists(st.tuples(st.lists(st.integers(0, 96), min_size=1, max_size=6),
-                                st.integers(1, 8)), min_size=1, max_size=4),
+                                st.integers(1, 8), st.booleans()), min_size=1, max_size=4),
     "arrive": st.integers(0, 4),
+    "delete_at": st.one_of(st.none(), st.integers(0, 40)),  # DELETE of its session
 }), min_size=1, max_size=4)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs, work=chats)
 def test_multi_turn_outputs_equal_solo_runs(cfg, work):
-    """Each turn's prompt is the chat so far (prompts and replies) plus a new message;
-    whatever is reused, every reply equals the one computed from scratch."""
+    """Each turn's prompt is the chat so far (prompts and replies; or, for an "edited"
+    turn, without the last reply) plus a new message; with sessions on or off, and
+    whatever is reused or evicted, every reply equals the one computed from scratch, and
+    once the sessions close everything is back."""
     bs, max_len = cfg["block_size"], 64
     num_blocks = (max_len // bs + 2) if cfg["tight"] else 4 * max_len // bs
     core = make_core(num_blocks=num_blocks, block_size=bs, max_batch=4,
                      budget=max(cfg["budget"], 4), chunk=cfg["chunk"],
                      pipeline=cfg["pipeline"], prefix=cfg["prefix"], swap=cfg["swap"],
-                     max_seq_len=max_len)
+                     max_seq_len=max_len,
+                     sessions=SessionConfig(max_session_blocks=cfg["session_blocks"],
+                                            max_pinned_fraction=cfg["pinned_fraction"]))
     history = [[] for _ in work]
     current = [None] * len(work)
     turn = [0] * len(work)
@@ -132,17 +142,26 @@ def test_multi_turn_outputs_equal_solo_runs(cfg, work):
                 seq = request.sequences[0]
                 want = reference_continuation(seq.prompt_ids, seq.params.max_tokens)
                 assert seq.output_ids == want, (cfg, chat, turn[i])
-                history[i] = seq.prompt_ids + seq.output_ids
+                keep_reply = chat["turns"][turn[i]][2]
+                history[i] = seq.prompt_ids + (seq.output_ids if keep_reply else [])
                 current[i], turn[i] = None, turn[i] + 1
             if current[i] is None and tick >= chat["arrive"] and turn[i] < len(chat["turns"]):
-                message, max_tokens = chat["turns"][turn[i]]
+                message, max_tokens, _ = chat["turns"][turn[i]]
                 prompt = (history[i] + message)[-(max_len - 10):]
-                current[i] = make_request(prompt, max_tokens, max_len=max_len)
+                session = f"chat{i}" if cfg["sessions"] else None
+                current[i] = make_request(prompt, max_tokens, max_len=max_len,
+                                          session_id=session)
                 core.inbox.submit(current[i])
+            if cfg["sessions"] and chat["delete_at"] == tick:
+                core.inbox.submit(CloseSession(f"chat{i}", lambda *_: None))
         if all(t == len(c["turns"]) for t, c in zip(turn, work)):
             break
         core.tick()
+        poison_free_slots(core)
     else:
         raise AssertionError("workload did not finish")
     core.drain()
+    for i in range(len(work)):
+        core.sessions.close(f"chat{i}")
     assert_accounted(core)
+    assert core.snapshots.num_pinned == 0

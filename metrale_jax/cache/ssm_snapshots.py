@@ -46,6 +46,9 @@ class SnapshotPool:
         staged = self._staged.get(owner)
         return staged[1] if staged is not None else None
 
+    def staged_slot(self, owner: Hashable) -> int:
+        return self._staged[owner][0]
+
     @property
     def used(self) -> int:
         """Slots holding a state (staged, cached or pinned)."""

@@ -1,0 +1,260 @@
+"""Sessions: a multi-turn chat's latest turn kept on the device for its next turn.
+
+A request may name a `session_id`. When one of its turns finishes, the session keeps that
+turn's *tail*: its KV blocks (the last one partly full), the tokens they hold and, on a
+hybrid model, its SSM/conv state at exactly its last computed token (a staged slot of the
+snapshot pool, owned by the session). The next turn whose prompt extends those tokens
+adopts the tail and computes only what is new: a block-grid snapshot is not needed, so a
+chat whose history is shorter than a block still hits (the trap vLLM fell into with large
+Mamba blocks). A prompt that does not extend the tail (an edited history) falls back to the
+ordinary prefix cache; a prompt-logprobs request reuses nothing.
+
+Pins and budgets: a tail holds a reference to each of its blocks (so LRU eviction cannot
+take them) and one snapshot slot. A tail over `max_session_blocks` is not kept; all tails
+together stay under `max_pinned_fraction` of the KV pool and of the snapshot slots, the
+least recently used idle session giving way. Memory pressure (a decode or an admission
+that finds no block) evicts idle sessions the same way (`give_back`, logged and counted).
+Sessions end by TTL (the scheduler's injected clock), by `close` (DELETE
+/v1/sessions/{id}), or by eviction.
+
+An unknown session id opens a session. SGLang makes a client open one first because its
+sessions *append* to server-side history (an unknown id would make the prompt mean
+something else); here the prompt always carries the whole chat and a session only decides
+what stays cached, so a new or misspelt id can cost a cache miss, never a wrong answer,
+and a client of the OpenAI API needs no extra call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+
+from metrale_jax.scheduler.memory import Memory
+from metrale_jax.sequence import Sequence
+from metrale_jax.telemetry import Clock, Telemetry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionConfig:
+    """Session budgets (`EngineConfig.sessions`)."""
+
+    ttl_s: float = 600.0               # an idle session ends after this many seconds
+    max_sessions: int = 1024           # open sessions; the least recently used idle goes
+    max_session_blocks: int = 512      # KV blocks one session may pin (a longer turn isn't)
+    max_pinned_fraction: float = 0.5   # of the KV pool and of the SSM snapshot slots
+
+    def __post_init__(self) -> None:
+        for name in ("ttl_s", "max_sessions", "max_session_blocks"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"sessions.{name}: must be positive, got "
+                                 f"{getattr(self, name)}")
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError(f"sessions.max_pinned_fraction: must be in [0, 1], got "
+                             f"{self.max_pinned_fraction}")
+
+    @classmethod
+    def parse(cls, value: "SessionConfig | dict | None") -> "SessionConfig":
+        if value is None:
+            return cls()
+        if isinstance(value, dict):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(f"sessions: unknown field(s) {unknown}")
+            return cls(**value)
+        if not isinstance(value, cls):
+            raise ValueError(f"sessions: expected a SessionConfig or a dict, got "
+                             f"{type(value).__name__}")
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class CloseSession:
+    """DELETE /v1/sessions/{id}: the engine thread closes it and acks True (found) or
+    False (no such session)."""
+
+    session_id: str
+    ack: Callable[[object, BaseException | None], None]
+
+
+@dataclasses.dataclass
+class Tail:
+    """A finished turn kept for the next one."""
+
+    tokens: list[int]      # the tokens in the caches (its KV and SSM state cover them)
+    blocks: list[int]      # the blocks holding them, one reference each; the last may be partial
+    hashes: list[bytes]    # chain hashes of the committed full blocks
+    adapter_id: int        # the LoRA version it was computed under
+
+
+@dataclasses.dataclass
+class Session:
+    session_id: str
+    last_used: float
+    running: int = 0       # accepted sequences of this session not yet finished
+    tail: Tail | None = None
+
+
+def _owner(session_id: str) -> tuple[str, str]:
+    """The snapshot pool's owner key of a session's tail state."""
+    return ("session", session_id)
+
+
+class Sessions:
+    def __init__(self, config: SessionConfig, memory: Memory, clock: Clock, tel: Telemetry):
+        self.config, self.memory, self.clock, self.tel = config, memory, clock, tel
+        self._open: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+
+    # ---- queries ------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._open
+
+    @property
+    def pinned_blocks(self) -> int:
+        return sum(len(s.tail.blocks) for s in self._open.values() if s.tail)
+
+    @property
+    def num_tails(self) -> int:
+        return sum(1 for s in self._open.values() if s.tail)
+
+    def tables(self) -> dict:
+        """The blocks tails hold, as tables for the pool's integrity check."""
+        return {_owner(s.session_id): s.tail.blocks for s in self._open.values() if s.tail}
+
+    def owners(self) -> list:
+        """The snapshot pool's owners of staged tail states."""
+        return [_owner(s.session_id) for s in self._open.values()
+                if s.tail and self.memory.has_ssm]
+
+    # ---- a turn's lifetime --------------------------------------------------------------
+
+    def accept(self, seq: Sequence) -> None:
+        """A sequence naming a session arrived: open the session if it is new."""
+        session = self._open.get(seq.session_id)
+        if session is None:
+            self._make_room_for_session()
+            session = self._open[seq.session_id] = Session(seq.session_id, self.clock.now())
+            self.tel.count("sessions_opened")
+        session.running += 1
+        self._touch(session)
+
+    def take_tail(self, seq: Sequence) -> Tail | None:
+        """At admission: the session's tail when the prompt extends its tokens (the
+        sequence then owns its blocks and state: `Memory.adopt_tail`)."""
+        session = self._open.get(seq.session_id) if seq.session_id else None
+        tail = session.tail if session is not None else None
+        if tail is None or tail.adapter_id != seq.adapter_id:
+            return None
+        n = len(tail.tokens)
+        if len(seq.prompt_ids) <= n or seq.prompt_ids[:n] != tail.tokens:
+            return None
+        session.tail = None
+        self.memory.adopt_tail(seq, tail, _owner(session.session_id))
+        self.tel.count("session_tail_hits")
+        self.tel.count("session_tail_tokens", n)
+        return tail
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence of a session is done (before its memory is released): keep its tail
+        when it finished cleanly and fits the budgets."""
+        session = self._open.get(seq.session_id)
+        if session is None:
+            return  # closed while the turn ran
+        session.running -= 1
+        self._touch(session)
+        if seq.finish_reason not in ("stop", "length") or not seq.block_table:
+            return
+        computed = seq.num_computed
+        if not 0 < computed <= len(seq.prompt_ids) + len(seq.output_ids):
+            return
+        blocks = seq.block_table[:self.memory.blocks_for(computed)]
+        self._drop_tail(session)
+        if not self._fits(session, len(blocks)):
+            self.tel.count("session_tails_over_budget")
+            return
+        tail = Tail(seq.all_ids[:computed], list(blocks),
+                    list(seq.block_hashes[:computed // self.memory.block_size]),
+                    seq.adapter_id)
+        if self.memory.pin_tail(seq, tail, _owner(session.session_id)):
+            session.tail = tail
+
+    # ---- ends ---------------------------------------------------------------------------
+
+    def close(self, session_id: str, why: str = "deleted") -> bool:
+        """End a session (its tail's blocks and state go back); False if none is open."""
+        session = self._open.pop(session_id, None)
+        if session is None:
+            return False
+        self._drop_tail(session)
+        self.tel.count(f"sessions_{why}")
+        logger.info("session %s closed (%s)", session_id, why)
+        return True
+
+    def expire(self) -> None:
+        """End idle sessions past their TTL (the least recently used are first)."""
+        now = self.clock.now()
+        for session in list(self._open.values()):
+            if now - session.last_used <= self.config.ttl_s:
+                break
+            if not session.running:
+                self.close(session.session_id, "expired")
+
+    def give_back(self) -> bool:
+        """Memory pressure: evict the least recently used idle session holding a tail;
+        False when none can go."""
+        victim = next((s for s in self._open.values() if s.tail and not s.running), None)
+        if victim is None:
+            return False
+        logger.warning("session %s evicted under memory pressure (%d blocks)",
+                       victim.session_id, len(victim.tail.blocks))
+        return self.close(victim.session_id, "evicted")
+
+    def drop_tails(self) -> None:
+        """The device caches were lost: tails hold nothing any more (sessions stay open)."""
+        for session in self._open.values():
+            self._drop_tail(session)
+
+    # ---- budgets ------------------------------------------------------------------------
+
+    def _fits(self, session: Session, num_blocks: int) -> bool:
+        """Room for a tail of `num_blocks` under the per-session and global budgets, the
+        least recently used idle sessions giving way."""
+        cfg, memory = self.config, self.memory
+        if num_blocks > cfg.max_session_blocks:
+            return False
+        block_cap = int(cfg.max_pinned_fraction * memory.pool.num_usable)
+        slot_cap = int(cfg.max_pinned_fraction * memory.snapshots.total)
+        if num_blocks > block_cap or (memory.has_ssm and slot_cap < 1):
+            return False
+        while (self.pinned_blocks + num_blocks > block_cap
+               or (memory.has_ssm and self.num_tails + 1 > slot_cap)):
+            victim = next((s for s in self._open.values()
+                           if s.tail and not s.running and s is not session), None)
+            if victim is None:
+                return False
+            self.close(victim.session_id, "evicted")
+        return True
+
+    def _make_room_for_session(self) -> None:
+        while len(self._open) >= self.config.max_sessions:
+            victim = next((s for s in self._open.values() if not s.running), None)
+            if victim is None:
+                return  # every session is running a turn: go over rather than refuse
+            self.close(victim.session_id, "evicted")
+
+    def _drop_tail(self, session: Session) -> None:
+        if session.tail is not None:
+            self.memory.unpin_tail(session.tail, _owner(session.session_id))
+            session.tail = None
+
+    def _touch(self, session: Session) -> None:
+        session.last_used = self.clock.now()
+        self._open.move_to_end(session.session_id)
