@@ -521,7 +521,8 @@ class SchedulerCore:
             new=new, pending=self.pending, memory=self.memory, num_requests=len(self.requests),
             steps_total=self.steps_total, now=self.clock.now(), gate=self.gate,
             lora=self.cohort.view(self.active + self.prefilling, self.pending.waiting,
-                                  len(self.pending.rotations))))
+                                  len(self.pending.rotations)),
+            sessions=self.sessions))
 
     @property
     def pool(self):

@@ -9,7 +9,7 @@ chat whose history is shorter than a block still hits (the trap vLLM fell into w
 Mamba blocks). A prompt that does not extend the tail (an edited history) falls back to the
 ordinary prefix cache; a prompt-logprobs request reuses nothing.
 
-Pins and budgets: a tail holds a reference to each of its blocks (so LRU eviction cannot
+Budgets are `config.SessionConfig` (`EngineConfig.sessions`). A tail holds a reference to each of its blocks (so LRU eviction cannot
 take them) and one snapshot slot. A tail over `max_session_blocks` is not kept; all tails
 together stay under `max_pinned_fraction` of the KV pool and of the snapshot slots, the
 least recently used idle session giving way. Memory pressure (a decode or an admission
@@ -31,45 +31,12 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
+from metrale_jax.config import SessionConfig
 from metrale_jax.scheduler.memory import Memory
 from metrale_jax.sequence import Sequence
 from metrale_jax.telemetry import Clock, Telemetry
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class SessionConfig:
-    """Session budgets (`EngineConfig.sessions`)."""
-
-    ttl_s: float = 600.0               # an idle session ends after this many seconds
-    max_sessions: int = 1024           # open sessions; the least recently used idle goes
-    max_session_blocks: int = 512      # KV blocks one session may pin (a longer turn isn't)
-    max_pinned_fraction: float = 0.5   # of the KV pool and of the SSM snapshot slots
-
-    def __post_init__(self) -> None:
-        for name in ("ttl_s", "max_sessions", "max_session_blocks"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"sessions.{name}: must be positive, got "
-                                 f"{getattr(self, name)}")
-        if not 0.0 <= self.max_pinned_fraction <= 1.0:
-            raise ValueError(f"sessions.max_pinned_fraction: must be in [0, 1], got "
-                             f"{self.max_pinned_fraction}")
-
-    @classmethod
-    def parse(cls, value: "SessionConfig | dict | None") -> "SessionConfig":
-        if value is None:
-            return cls()
-        if isinstance(value, dict):
-            known = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise ValueError(f"sessions: unknown field(s) {unknown}")
-            return cls(**value)
-        if not isinstance(value, cls):
-            raise ValueError(f"sessions: expected a SessionConfig or a dict, got "
-                             f"{type(value).__name__}")
-        return value
 
 
 @dataclasses.dataclass(frozen=True)
