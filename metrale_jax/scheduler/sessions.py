@@ -175,13 +175,19 @@ class Sessions:
                 self.close(session.session_id, "expired")
 
     def give_back(self) -> bool:
-        """Memory pressure: evict the least recently used idle session holding a tail;
-        False when none can go."""
-        victim = next((s for s in self._open.values() if s.tail and not s.running), None)
+        """Memory pressure: the least recently used session holding a tail gives it
+        back: an idle one is evicted (ended), one running a turn only drops its stale tail
+        (it did not extend it). False when no session holds anything."""
+        victim = next((s for s in self._open.values() if s.tail), None)
         if victim is None:
             return False
-        logger.warning("session %s evicted under memory pressure (%d blocks)",
-                       victim.session_id, len(victim.tail.blocks))
+        logger.warning("session %s %s under memory pressure (%d blocks)", victim.session_id,
+                       "drops its last turn" if victim.running else "evicted",
+                       len(victim.tail.blocks))
+        if victim.running:
+            self._drop_tail(victim)
+            self.tel.count("session_tails_dropped")
+            return True
         return self.close(victim.session_id, "evicted")
 
     def drop_tails(self) -> None:
