@@ -19,42 +19,38 @@ from tests.scheduler_harness import (assert_accounted, make_core, make_request,
 
 def test_staged_snapshot_is_not_matchable_until_published():
     pool = SnapshotPool([7, 8])
-    slot = pool.stage("seq", 16)
-    assert slot in (7, 8) and pool.staged_at("seq") == 16 and pool.used == 1
-    assert pool.stage("seq", 32) is None  # one staged per sequence
+    slot = pool.hold("seq", 16)
+    assert slot in (7, 8) and pool.held_at("seq") == 16 and pool.used == 1
+    assert pool.hold("seq", 32) is None  # one staged per sequence
     assert b"h" not in pool
     assert pool.publish("seq", b"h") and pool.lookup(b"h") == slot
-    assert pool.staged_at("seq") is None
+    assert pool.held_at("seq") is None
     pool.check_integrity(owners=[])
 
 
 def test_publishing_a_known_boundary_frees_the_staged_copy():
     pool = SnapshotPool([1, 2])
     kept = pool.reserve(b"h")
-    pool.stage("seq", 8)
+    pool.hold("seq", 8)
     assert not pool.publish("seq", b"h")
     assert pool.lookup(b"h") == kept and pool.used == 1
     pool.check_integrity(owners=[])
 
 
-def test_pinned_snapshots_survive_eviction_and_staged_ones_need_an_owner():
+def test_held_states_are_never_evicted_and_need_an_owner():
     pool = SnapshotPool([1, 2])
     pool.reserve(b"a")
-    assert pool.pin(b"a") and not pool.pin(b"missing")
-    pool.reserve(b"b")
-    pool.reserve(b"c")  # evicts b, never the pinned a
-    assert b"a" in pool and b"b" not in pool and b"c" in pool
-    assert not pool.discard(b"a")
-    pool.pin(b"c")
-    assert pool.reserve(b"d") is None and pool.stage("s", 4) is None  # all pinned
-    pool.unpin(b"a")
-    assert pool.stage("s", 4) is not None and b"a" not in pool
-    with pytest.raises(AssertionError, match="finished sequences"):
-        pool.check_integrity(owners=[])
-    pool.drop_staged("s")
-    pool.check_integrity(owners=[])
-    with pytest.raises(ValueError, match="not pinned"):
-        pool.unpin(b"a")
+    held = pool.hold("session", 5)
+    pool.reserve(b"b")  # evicts a, never the held state
+    assert b"a" not in pool and b"b" in pool and pool.held_slot("session") == held
+    assert pool.hold("s", 4) is not None  # evicts b
+    assert pool.reserve(b"c") is None and pool.hold("t", 4) is None  # every slot held
+    with pytest.raises(AssertionError, match="owners gone"):
+        pool.check_integrity(owners=["session"])
+    pool.drop_held("s")
+    pool.check_integrity(owners=["session"])
+    with pytest.raises(ValueError, match="still held"):
+        pool.clear()
 
 
 # ---- decode-time snapshots in the scheduler -----------------------------------------------
@@ -164,4 +160,4 @@ def test_multi_turn_outputs_equal_solo_runs(cfg, work):
     for i in range(len(work)):
         core.sessions.close(f"chat{i}")
     assert_accounted(core)
-    assert core.snapshots.num_pinned == 0
+    assert core.snapshots.num_held == 0

@@ -40,7 +40,7 @@ def test_a_chat_shorter_than_a_block_hits_its_tail(pipeline):
     assert counters["session_tail_tokens"] >= len(history) - 1
     _close_all(core)
     assert_accounted(core)
-    assert core.snapshots.used == 0 or core.snapshots.num_pinned == 0
+    assert core.snapshots.num_held == 0
 
 
 def test_an_edited_history_falls_back_to_the_prefix_cache():

@@ -95,19 +95,19 @@ class Memory:
 
     def adopt_tail(self, seq: Sequence, tail, owner) -> None:
         """Admission from a session's tail: the sequence takes over its block references
-        and starts from its state (copied out of the tail's staged slot, which is freed:
+        and starts from its state (copied out of the slot the session held, which is freed:
         the copy is ordered before any later write to it)."""
         seq.block_table, seq.block_hashes = tail.blocks, tail.hashes
         seq.num_computed = len(tail.tokens)
         if self.has_ssm:
-            self._copy_slots([self.snapshots.staged_slot(owner)], [seq.slot])
-            self.snapshots.drop_staged(owner)
+            self._copy_slots([self.snapshots.held_slot(owner)], [seq.slot])
+            self.snapshots.drop_held(owner)
 
     def pin_tail(self, seq: Sequence, tail, owner) -> bool:
         """Keep a finishing sequence's blocks and state for its session (before `release`);
         False when no snapshot slot can be had."""
         if self.has_ssm:
-            slot = self.snapshots.stage(owner, len(tail.tokens))
+            slot = self.snapshots.hold(owner, len(tail.tokens))
             if slot is None:
                 return False
             self._copy_slots([seq.slot], [slot])
@@ -116,7 +116,7 @@ class Memory:
 
     def unpin_tail(self, tail, owner) -> None:
         self.pool.release(tail.blocks)
-        self.snapshots.drop_staged(owner)
+        self.snapshots.drop_held(owner)
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Append blocks so the table covers `num_tokens` (tables only ever grow)."""
@@ -169,13 +169,13 @@ class Memory:
                 self._copies.append((seq.slot, slot))
                 self._kept(seq, block_hash, end)
         else:
-            slot = self.snapshots.stage(seq.uid, end)
+            slot = self.snapshots.hold(seq.uid, end)
             if slot is not None:
                 self._copies.append((seq.slot, slot))
 
     def publish_staged(self, seq: Sequence) -> None:
         """Key the sequence's staged snapshot once its block's hash is committed."""
-        end = self.snapshots.staged_at(seq.uid)
+        end = self.snapshots.held_at(seq.uid)
         if end is None or len(seq.block_hashes) * self.block_size < end:
             return
         block_hash = seq.block_hashes[end // self.block_size - 1]
@@ -217,8 +217,9 @@ class Memory:
         if seq.slot:
             self.slots.free(seq.slot)
             seq.slot = 0
-        # A staged snapshot's token was never read back; the last kept one stays cached.
-        self.snapshots.drop_staged(seq.uid)
+        # A held (staged) snapshot's token was never read back; the last kept one stays
+        # cached.
+        self.snapshots.drop_held(seq.uid)
         seq.decode_snapshot = None
 
     def forget_device_state(self) -> None:

@@ -2,20 +2,21 @@
 
 A request may name a `session_id`. When one of its turns finishes, the session keeps that
 turn's *tail*: its KV blocks (the last one partly full), the tokens they hold and, on a
-hybrid model, its SSM/conv state at exactly its last computed token (a staged slot of the
-snapshot pool, owned by the session). The next turn whose prompt extends those tokens
+hybrid model, its SSM/conv state at exactly its last computed token (a slot of the snapshot
+pool the session holds). The next turn whose prompt extends those tokens
 adopts the tail and computes only what is new: a block-grid snapshot is not needed, so a
 chat whose history is shorter than a block still hits (the trap vLLM fell into with large
 Mamba blocks). A prompt that does not extend the tail (an edited history) falls back to the
 ordinary prefix cache; a prompt-logprobs request reuses nothing.
 
-Budgets are `config.SessionConfig` (`EngineConfig.sessions`). A tail holds a reference to each of its blocks (so LRU eviction cannot
-take them) and one snapshot slot. A tail over `max_session_blocks` is not kept; all tails
-together stay under `max_pinned_fraction` of the KV pool and of the snapshot slots, the
-least recently used idle session giving way. Memory pressure (a decode or an admission
-that finds no block) evicts idle sessions the same way (`give_back`, logged and counted).
-Sessions end by TTL (the scheduler's injected clock), by `close` (DELETE
-/v1/sessions/{id}), or by eviction.
+Budgets are `config.SessionConfig` (`EngineConfig.sessions`). A tail holds a reference
+to each of its blocks (so LRU eviction cannot take them) and one snapshot slot (held: never
+evicted). A tail over `max_session_blocks` is not kept; all tails together stay under
+`max_pinned_fraction` of the KV pool and of the snapshot slots, the least recently used
+idle session giving way. Memory pressure (a decode, an admission or a resume that finds no
+block) takes tails back the same way (`give_back`, logged and counted): an idle session is
+evicted, a running one only drops a tail its turn did not extend. Sessions end by TTL (the
+scheduler's injected clock), by `close` (DELETE /v1/sessions/{id}), or by eviction.
 
 An unknown session id opens a session. SGLang makes a client open one first because its
 sessions *append* to server-side history (an unknown id would make the prompt mean
