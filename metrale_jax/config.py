@@ -137,12 +137,20 @@ class SessionConfig:
     max_sessions: int = 1024           # open sessions; the least recently used idle goes
     max_session_blocks: int = 512      # KV blocks one session may pin (a longer turn isn't)
     max_pinned_fraction: float = 0.5   # of the KV pool and of the SSM snapshot slots
+    # The second tier: a tail memory pressure takes off the device goes to host RAM, then
+    # to disk (the spill store's files, under the engine's spill directory), and comes
+    # back for the session's next turn. 0 turns a level off.
+    host_tier_bytes: int = 512 * 1024 * 1024
+    disk_tier_bytes: int = 2 * 1024 * 1024 * 1024
 
     def __post_init__(self) -> None:
         for name in ("ttl_s", "max_sessions", "max_session_blocks"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"sessions.{name}: must be positive, got "
                                  f"{getattr(self, name)}")
+        for name in ("host_tier_bytes", "disk_tier_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"sessions.{name}: must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ValueError(f"sessions.max_pinned_fraction: must be in [0, 1], got "
                              f"{self.max_pinned_fraction}")

@@ -17,6 +17,7 @@ from collections.abc import Sequence as Seq
 
 from metrale_jax.cache.spill import SpillStore
 from metrale_jax.cache.spill_dirs import make_private_dir, remove_stale_dirs
+from metrale_jax.cache.tiers import StateTier
 from metrale_jax.config import EngineConfig
 from metrale_jax.grammar.backend import check_installed
 from metrale_jax.loader.resolve import load
@@ -115,11 +116,21 @@ class LLMEngine:
             block_size=engine.block_size, spill=spill_backend,
             snapshot_slots=list(range(self.runner.num_seq_slots, self.runner.num_slots)),
             check_every_tick=check_every_tick, adapters=self.adapters,
-            sessions=engine.sessions)
+            sessions=engine.sessions, tier=self._state_tier())
         self._ids = itertools.count()
         self._seeds = random.Random(engine.seed)
         self._grammar = None                 # GrammarCompiler, built on first use
         self._grammar_lock = threading.Lock()
+
+    def _state_tier(self) -> StateTier:
+        """Host RAM, then disk under the spill directory (a `tier` subdirectory, its own
+        file sets), for session tails memory pressure takes off the device."""
+        cfg = self.engine_config.sessions
+        store = None
+        if cfg.disk_tier_bytes:
+            base = self._own_spill_dir or self.engine_config.spill_dir or self._spill_dir()
+            store = SpillStore(pathlib.Path(base) / "tier")
+        return StateTier(cfg.host_tier_bytes, cfg.disk_tier_bytes, store)
 
     def _spill_dir(self) -> str:
         if self.engine_config.spill_dir is not None:

@@ -72,7 +72,12 @@ class EngineCollector:
                           ("session_tail_hits", "Turns that started from their session's "
                                                 "last turn."),
                           ("session_tail_tokens", "Prompt tokens those turns did not "
-                                                  "compute.")):
+                                                  "compute."),
+                          ("session_tails_stored", "Tails memory pressure moved to the host "
+                                                   "RAM / disk tier."),
+                          ("session_tier_restores", "Tails brought back from that tier."),
+                          ("session_tier_misses", "Stored tails found unreadable or gone "
+                                                  "(the turn computed instead).")):
             yield self._counter(f"metrale:{name}", doc, counters.get(name, 0))
 
     def _spec_decode(self, counters: dict):

@@ -153,9 +153,10 @@ def test_prompt_logprobs_compile_nothing_after_warmup(llm):
 
 
 def test_multi_turn_chats_with_sessions_equal_recompute(llm):
-    """Decode-time snapshots and session tails on the hybrid: every turn's greedy reply
-    equals the same prompt computed from scratch (prefix cache off), short chats included,
-    with nothing compiled and, once the session is closed, nothing pinned."""
+    """Decode-time snapshots and session tails on the hybrid, tails restored from the host
+    tier after simulated memory pressure: every turn's greedy reply equals the same prompt
+    computed from scratch (prefix cache off), short chats included, with nothing compiled
+    and, once the session is closed, nothing pinned."""
     core, compiled = llm.engine.core, llm.runner.counter.count
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -174,6 +175,10 @@ def test_multi_turn_chats_with_sessions_equal_recompute(llm):
                None: llm.tokenizer.encode("The class statement")}
     turns, hits = [], core.pool.stats.prefix_hit_tokens
     for message in ("", " the question", " y"):
+        if message == " y":  # memory pressure: the idle sessions' tails go to host RAM
+            while core.sessions.give_back():
+                pass
+            assert core.sessions.num_stored == 2
         for session in history:
             prompt = history[session] + llm.tokenizer.encode(message)
             out = llm.generate({"prompt_token_ids": prompt}, params, session_id=session)
@@ -184,6 +189,7 @@ def test_multi_turn_chats_with_sessions_equal_recompute(llm):
         assert reply == scratch(prompt), prompt
     counters = core.tel.counters()
     assert counters["session_tail_hits"] >= 4  # the short chat's turns too (< one block)
+    assert counters["session_tier_restores"] == 2
     assert core.pool.stats.prefix_hit_tokens - hits >= 16 * 2
     assert llm.runner.counter.count == compiled
     assert core.pool.num_used > 0 and core.sessions.pinned_blocks > 0

@@ -4,11 +4,17 @@ states, and multi-turn workloads whose outputs equal solo runs (no jax, no sleep
 
 from __future__ import annotations
 
+import pathlib
+import shutil
+import tempfile
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from metrale_jax.cache.spill import SpillStore
 from metrale_jax.cache.ssm_snapshots import SnapshotPool
+from metrale_jax.cache.tiers import StateTier
 from metrale_jax.scheduler.sessions import CloseSession, SessionConfig
 from tests.fake_runner import reference_continuation
 from tests.scheduler_harness import (assert_accounted, make_core, make_request,
@@ -97,40 +103,50 @@ configs = st.fixed_dictionaries({
     "budget": st.sampled_from([4, 16, 64]),
     "chunk": st.sampled_from([1, 3, 64]),
     "pipeline": st.booleans(),
-    "prefix": st.booleans(),
+    "prefix": st.sampled_from([True, True, False]),
     "swap": st.booleans(),
     "tight": st.booleans(),  # a KV pool just big enough for one sequence: spill, preempt
-    "sessions": st.booleans(),
-    "session_blocks": st.sampled_from([2, 512]),
+    "sessions": st.sampled_from([True, True, False]),
+    "session_blocks": st.sampled_from([2, 512, 512]),
     "pinned_fraction": st.sampled_from([0.25, 1.0]),
+    # The second tier for tails leaving the device: off, RAM, disk, disk with every file
+    # corrupted as soon as it is written.
+    "tier": st.sampled_from(["off", "host", "disk", "corrupt"]),
 })
 
+# A turn: (new message, max_tokens, whether the next turn keeps this reply in its history).
 chats = st.lists(st.fixed_dictionaries({
-    "turns": st.lists(st.tuples(st.lists(st.integers(0, 96), min_size=1, max_size=6),
-                                st.integers(1, 8), st.booleans()), min_size=1, max_size=4),
+    "turns": st.lists(st.tuples(st.lists(st.integers(0, 96), min_size=1, max_size=12),
+                                st.integers(1, 10), st.sampled_from([True, True, False])),
+                      min_size=2, max_size=4),
     "arrive": st.integers(0, 4),
-    "delete_at": st.one_of(st.none(), st.integers(0, 40)),  # DELETE of its session
-}), min_size=1, max_size=4)
+    "gap": st.integers(0, 8),             # ticks between a reply and the next turn
+    "delete_at": st.one_of(st.none(), st.integers(0, 60)),  # DELETE of its session
+}), min_size=2, max_size=4)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs, work=chats)
 def test_multi_turn_outputs_equal_solo_runs(cfg, work):
     """Each turn's prompt is the chat so far (prompts and replies; or, for an "edited"
     turn, without the last reply) plus a new message; with sessions on or off, and
     whatever is reused or evicted, every reply equals the one computed from scratch, and
-    once the sessions close everything is back."""
+    once the sessions close everything is back (no tier entry or file left)."""
     bs, max_len = cfg["block_size"], 64
+    tier_dir = pathlib.Path(tempfile.mkdtemp(prefix="tier-test-"))
+    host, disk = {"off": (0, 0), "host": (1 << 20, 0)}.get(cfg["tier"], (0, 1 << 20))
+    tier = StateTier(host, disk, SpillStore(tier_dir))
     num_blocks = (max_len // bs + 2) if cfg["tight"] else 4 * max_len // bs
     core = make_core(num_blocks=num_blocks, block_size=bs, max_batch=4,
                      budget=max(cfg["budget"], 4), chunk=cfg["chunk"],
                      pipeline=cfg["pipeline"], prefix=cfg["prefix"], swap=cfg["swap"],
-                     max_seq_len=max_len,
+                     max_seq_len=max_len, tier=tier,
                      sessions=SessionConfig(max_session_blocks=cfg["session_blocks"],
                                             max_pinned_fraction=cfg["pinned_fraction"]))
     history = [[] for _ in work]
     current = [None] * len(work)
     turn = [0] * len(work)
+    ready_at = [0] * len(work)
     for tick in range(5000):
         for i, chat in enumerate(work):
             request = current[i]
@@ -141,7 +157,9 @@ def test_multi_turn_outputs_equal_solo_runs(cfg, work):
                 keep_reply = chat["turns"][turn[i]][2]
                 history[i] = seq.prompt_ids + (seq.output_ids if keep_reply else [])
                 current[i], turn[i] = None, turn[i] + 1
-            if current[i] is None and tick >= chat["arrive"] and turn[i] < len(chat["turns"]):
+                ready_at[i] = tick + chat["gap"]
+            if current[i] is None and tick >= max(chat["arrive"], ready_at[i]) \
+                    and turn[i] < len(chat["turns"]):
                 message, max_tokens, _ = chat["turns"][turn[i]]
                 prompt = (history[i] + message)[-(max_len - 10):]
                 session = f"chat{i}" if cfg["sessions"] else None
@@ -154,6 +172,10 @@ def test_multi_turn_outputs_equal_solo_runs(cfg, work):
             break
         core.tick()
         poison_free_slots(core)
+        if cfg["tier"] == "corrupt":
+            for f in tier_dir.iterdir():
+                if f.suffix != ".json":
+                    f.write_bytes(b"\1" * f.stat().st_size)
     else:
         raise AssertionError("workload did not finish")
     core.drain()
@@ -161,3 +183,5 @@ def test_multi_turn_outputs_equal_solo_runs(cfg, work):
         core.sessions.close(f"chat{i}")
     assert_accounted(core)
     assert core.snapshots.num_held == 0
+    assert len(tier) == 0 and list(tier_dir.iterdir()) == []
+    shutil.rmtree(tier_dir)

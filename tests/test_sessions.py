@@ -131,3 +131,57 @@ def test_session_config_is_validated():
     with pytest.raises(ValueError, match="unknown field"):
         SessionConfig.parse({"ttl": 3})
     assert SessionConfig.parse({"ttl_s": 3}).ttl_s == 3
+
+
+# ---- the second tier -----------------------------------------------------------------------
+
+def _tier(tmp_path, host_bytes, disk_bytes):
+    from metrale_jax.cache.spill import SpillStore
+    from metrale_jax.cache.tiers import StateTier
+
+    return StateTier(host_bytes, disk_bytes, SpillStore(tmp_path / "tier"))
+
+
+def test_state_tier_moves_old_entries_to_disk_and_reads_corrupt_files_as_misses(tmp_path):
+    import numpy as np
+
+    tier = _tier(tmp_path, host_bytes=16, disk_bytes=40)
+    a = {"x": np.arange(2, dtype=np.int64)}  # 16 bytes each
+    for key in ("a", "b", "c", "d"):
+        assert tier.put(key, {"x": a["x"] + ord(key)})
+        tier.check_integrity()
+    # RAM holds d; the disk holds b and c (24 bytes would not fit a third); a was dropped.
+    assert "a" not in tier and tier.stats.dropped == 1
+    assert (tier.take("d")["x"] == a["x"] + ord("d")).all() and tier.stats.host_hits == 1
+    assert (tier.take("c")["x"] == a["x"] + ord("c")).all() and tier.stats.disk_hits == 1
+    for f in (tmp_path / "tier").glob("*.x.*"):
+        f.write_bytes(b"\0" * f.stat().st_size)  # same size, wrong bytes
+    assert tier.take("b") is None and tier.stats.corrupt == 1
+    assert not tier.put("big", {"x": np.zeros(8, np.int64)})  # fits neither level
+    tier.check_integrity()
+    assert len(tier) == 0 and list((tmp_path / "tier").iterdir()) == []
+
+
+@pytest.mark.parametrize("levels", ["host", "disk", "corrupt"])
+def test_pressure_moves_a_tail_to_the_tier_and_the_next_turn_restores_it(tmp_path, levels):
+    host, disk = (1 << 20, 0) if levels == "host" else (0, 1 << 20)
+    tier = _tier(tmp_path, host, disk)
+    core = make_core(num_blocks=17, block_size=4, swap=False, tier=tier,
+                     sessions=SessionConfig(max_pinned_fraction=1.0))
+    first = _turn(core, list(range(1, 10)), 4, session="a")
+    history = first.prompt_ids + first.output_ids
+    run(core, [make_request(list(range(40, 92)), 6)])  # needs the pool: a's tail leaves
+    assert core.sessions.num_stored == 1 and core.sessions.pinned_blocks == 0
+    if levels == "corrupt":
+        for f in (tmp_path / "tier").iterdir():
+            if f.suffix != ".json":
+                f.write_bytes(b"\1" * f.stat().st_size)
+    _turn(core, history + [7, 7], 3, session="a")
+    counters = core.tel.counters()
+    if levels == "corrupt":
+        assert counters["session_tier_misses"] == 1 and "session_tier_restores" not in counters
+    else:
+        assert counters["session_tier_restores"] == 1
+    _close_all(core)
+    assert_accounted(core)
+    assert len(tier) == 0 and list((tmp_path / "tier").iterdir()) == []

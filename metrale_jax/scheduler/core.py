@@ -18,6 +18,7 @@ import itertools
 import logging
 
 from metrale_jax.cache.spill import SpillBackend
+from metrale_jax.cache.tiers import StateTier
 from metrale_jax.lora.registry import AdapterRegistry
 from metrale_jax.request import Request
 from metrale_jax.scheduler import phases
@@ -47,7 +48,7 @@ class SchedulerCore:
                  spill: SpillBackend | None = None, snapshot_slots: list[int] | None = None,
                  check_every_tick: bool = False, gate: MtpGate | None = None,
                  adapters: AdapterRegistry | None = None,
-                 sessions: SessionConfig | None = None):
+                 sessions: SessionConfig | None = None, tier: StateTier | None = None):
         self.runner, self.levers, self.policy = runner, levers, policy
         # Speculative decoding: the gate picks the plain or the speculative step per tick.
         self.gate = gate
@@ -61,8 +62,9 @@ class SchedulerCore:
                              snapshot_slots=snapshot_slots or [], has_ssm=runner.has_ssm,
                              copy_slots=runner.copy_slots)
         # Multi-turn sessions keep their latest turn pinned (`sessions`); they give it
-        # back when memory runs short.
-        self.sessions = Sessions(sessions or SessionConfig(), self.memory, clock, self.tel)
+        # back when memory runs short, to the second tier (`tier`: host RAM, then disk).
+        self.sessions = Sessions(sessions or SessionConfig(), self.memory, clock, self.tel,
+                                 runner=runner, tier=tier)
         self.memory.pins = self.sessions
         self.parking = Parking(runner=runner, memory=self.memory, spill=spill, tel=self.tel,
                                clock=clock)
@@ -561,3 +563,4 @@ class SchedulerCore:
         """No block owned twice, pool books balanced, slots and spill files accounted for."""
         self.memory.check_integrity(self.active + self.prefilling)
         self.parking.check_integrity()
+        self.sessions.check_integrity()
