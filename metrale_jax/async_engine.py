@@ -154,7 +154,8 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptInput, params: SamplingParams, *,
                        request_id: str | None = None, priority: int = 0,
-                       lora_request=None) -> AsyncIterator[StreamDelta]:
+                       lora_request=None, session_id: str | None = None,
+                       ) -> AsyncIterator[StreamDelta]:
         """Submit one request and return its deltas; leaving the iterator early aborts it.
         `lora_request`: a LoRARequest (read on a worker thread the first time) or None."""
         lora_name = None
@@ -162,13 +163,14 @@ class AsyncLLM:
             lora_name = await asyncio.to_thread(self.engine.ensure_adapter, lora_request)
         queue: asyncio.Queue = asyncio.Queue()
         request_id = self.submit(prompt, params, queue=queue, request_id=request_id,
-                                 priority=priority, lora_name=lora_name)
+                                 priority=priority, lora_name=lora_name,
+                                 session_id=session_id)
         return self._drain(request_id, queue)
 
     def submit(self, prompt: PromptInput, params: SamplingParams, *, queue: asyncio.Queue,
                key: Hashable | None = None, request_id: str | None = None,
                priority: int = 0, max_tokens_must_fit: bool = True,
-               lora_name: str | None = None) -> str:
+               lora_name: str | None = None, session_id: str | None = None) -> str:
         """Submit one request whose deltas go to `queue` (on the running event loop), each
         as `(key, delta)` when a key is given, then `None` (or `(key, None)`) once it is
         finished. The caller decodes logprobs (`decode_logprobs`) and aborts what it leaves.
@@ -176,7 +178,7 @@ class AsyncLLM:
         request = self.engine.make_request(prompt, params, priority=priority,
                                            request_id=request_id,
                                            max_tokens_must_fit=max_tokens_must_fit,
-                                           lora_name=lora_name)
+                                           lora_name=lora_name, session_id=session_id)
         if request.request_id in self._sink.targets:  # never re-point a live request's queue
             raise RequestError(f"request_id: {request.request_id!r} is already in flight")
         self._sink.targets[request.request_id] = _Target(asyncio.get_running_loop(), queue,
@@ -255,7 +257,16 @@ class AsyncLLM:
             raise LoraError("LoRA is not enabled on this engine (start it with --enable-lora)")
         return self.engine.adapters
 
+    async def close_session(self, session_id: str) -> bool:
+        """End a session (its pins go back); False when none was open. Raises
+        RequestError for a malformed id."""
+        return await self._acked(lambda ack: self.engine.close_session(session_id, ack))
+
     async def _rotate(self, make):
+        return await self._acked(lambda ack: self.engine.submit_rotation(make(ack)))
+
+    async def _acked(self, submit):
+        """Submit a command whose `ack` the engine thread calls exactly once, and await it."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
@@ -270,7 +281,7 @@ class AsyncLLM:
         def ack(result, error) -> None:  # on the engine thread, exactly once
             loop.call_soon_threadsafe(settle, result, error)
 
-        self.engine.submit_rotation(make(ack))
+        submit(ack)
         return await done
 
     # ---- the tokenizer ----------------------------------------------------------------------

@@ -130,6 +130,49 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class SessionConfig:
+    """Multi-turn sessions (scheduler/sessions.py): how long an idle one lives and what
+    its pinned turns may hold."""
+
+    ttl_s: float = 600.0               # an idle session ends after this many seconds
+    max_sessions: int = 1024           # open sessions; the least recently used idle goes
+    max_session_blocks: int = 512      # KV blocks one session may pin (a longer turn isn't)
+    max_pinned_fraction: float = 0.5   # of the KV pool and of the SSM snapshot slots
+    # The second tier: a tail memory pressure takes off the device goes to host RAM, then
+    # to disk (the spill store's files, under the engine's spill directory), and comes
+    # back for the session's next turn. 0 turns a level off.
+    host_tier_bytes: int = 512 * 1024 * 1024
+    disk_tier_bytes: int = 2 * 1024 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("ttl_s", "max_sessions", "max_session_blocks"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"sessions.{name}: must be positive, got "
+                                 f"{getattr(self, name)}")
+        for name in ("host_tier_bytes", "disk_tier_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"sessions.{name}: must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError(f"sessions.max_pinned_fraction: must be in [0, 1], got "
+                             f"{self.max_pinned_fraction}")
+
+    @classmethod
+    def parse(cls, value: "SessionConfig | dict | None") -> "SessionConfig":
+        if value is None:
+            return cls()
+        if isinstance(value, dict):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(f"sessions: unknown field(s) {unknown}")
+            return cls(**value)
+        if not isinstance(value, cls):
+            raise ValueError(f"sessions: expected a SessionConfig or a dict, got "
+                             f"{type(value).__name__}")
+        return value
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
     # The KV pool holds `num_kv_blocks` blocks (block 0 is the null block); when None it is
@@ -184,12 +227,15 @@ class EngineConfig:
     structured_outputs_backend: str = "llguidance"
     # How the model is spread over devices (metrale_jax/parallel/): tensor parallel size.
     parallel: ParallelConfig = ParallelConfig()
+    # Multi-turn sessions: TTL and pinning budgets (a dict becomes the validated object).
+    sessions: SessionConfig = SessionConfig()
 
     def __post_init__(self) -> None:
         # A dict or JSON text (vLLM's shape) becomes the validated object.
         object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
         _require(isinstance(self.parallel, ParallelConfig), "parallel",
                  f"must be a ParallelConfig, got {type(self.parallel).__name__}")
+        object.__setattr__(self, "sessions", SessionConfig.parse(self.sessions))
         for name in ("block_size", "kv_memory_bytes", "max_seq_len", "max_batch_size",
                      "max_tokens_per_tick"):
             _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")

@@ -17,6 +17,7 @@ from collections.abc import Sequence as Seq
 
 from metrale_jax.cache.spill import SpillStore
 from metrale_jax.cache.spill_dirs import make_private_dir, remove_stale_dirs
+from metrale_jax.cache.tiers import StateTier
 from metrale_jax.config import EngineConfig
 from metrale_jax.grammar.backend import check_installed
 from metrale_jax.loader.resolve import load
@@ -31,6 +32,7 @@ from metrale_jax.runner.model_runner import ModelRunner
 from metrale_jax.scheduler.core import SchedulerCore
 from metrale_jax.scheduler.levers import Levers, LeverValues
 from metrale_jax.scheduler.policy import make_policy
+from metrale_jax.scheduler.sessions import CloseSession
 from metrale_jax.scheduler.snapshot import SchedulerSnapshot
 from metrale_jax.scheduler.state import LoadAdapter, OutputSink, UnloadAdapter
 from metrale_jax.sequence import Sequence, decode_logprobs
@@ -119,11 +121,22 @@ class LLMEngine:
             sink=sink or _NullSink(), max_seq_len=engine.max_seq_len,
             block_size=engine.block_size, spill=spill_backend,
             snapshot_slots=list(range(self.runner.num_seq_slots, self.runner.num_slots)),
-            check_every_tick=check_every_tick, adapters=self.adapters)
+            check_every_tick=check_every_tick, adapters=self.adapters,
+            sessions=engine.sessions, tier=self._state_tier())
         self._ids = itertools.count()
         self._seeds = random.Random(engine.seed)
         self._grammar = None                 # GrammarCompiler, built on first use
         self._grammar_lock = threading.Lock()
+
+    def _state_tier(self) -> StateTier:
+        """Host RAM, then disk under the spill directory (a `tier` subdirectory, its own
+        file sets), for session tails memory pressure takes off the device."""
+        cfg = self.engine_config.sessions
+        store = None
+        if cfg.disk_tier_bytes:
+            base = self._own_spill_dir or self.engine_config.spill_dir or self._spill_dir()
+            store = SpillStore(pathlib.Path(base) / "tier")
+        return StateTier(cfg.host_tier_bytes, cfg.disk_tier_bytes, store)
 
     def _spill_dir(self) -> str:
         if self.engine_config.spill_dir is not None:
@@ -188,10 +201,12 @@ class LLMEngine:
 
     def make_request(self, prompt: PromptInput, params: SamplingParams, *, priority: int = 0,
                      request_id: str | None = None, max_tokens_must_fit: bool = False,
-                     lora_name: str | None = None) -> Request:
+                     lora_name: str | None = None, session_id: str | None = None) -> Request:
         """Validate and tokenize where the request enters; the loop gets a clean Request.
-        `lora_name`: a registered adapter (None: the base model)."""
+        `lora_name`: a registered adapter (None: the base model); `session_id`: the
+        multi-turn session it belongs to (an unknown one opens: scheduler/sessions.py)."""
         self.check_adapter(lora_name)
+        check_session_id(session_id)
         text, ids = self.prompt_ids(prompt)
         max_len = self.engine_config.max_seq_len
         check_context(len(ids), params.max_tokens, max_len,
@@ -207,7 +222,8 @@ class LLMEngine:
             detok=self.tokenizer.incremental(ids, skip_special_tokens=params.skip_special_tokens),
             eos_token_id=self.tokenizer.eos_token_id, max_len=max_len, priority=priority,
             lora_name=lora_name, want_prompt_logprobs=(i == 0 and params.prompt_logprobs is not None),
-            grammar_state=grammar.new_state(params.structured_outputs) if grammar else None)
+            grammar_state=grammar.new_state(params.structured_outputs) if grammar else None,
+            session_id=session_id)
             for i in range(params.n)]
         return Request(request_id, seqs, text)
 
@@ -258,6 +274,12 @@ class LLMEngine:
                     backend=self.engine_config.structured_outputs_backend)
         self._grammar.compile(params.structured_outputs)
         return self._grammar
+
+    def close_session(self, session_id: str, ack) -> None:
+        """Queue the end of a session (DELETE /v1/sessions/{id}); the engine thread calls
+        `ack(found, None)` once it has released the session's pins."""
+        check_session_id(session_id)
+        self.core.inbox.submit(CloseSession(session_id, ack))
 
     def submit(self, request: Request) -> None:
         if request.request_id in self.core.requests:
@@ -310,6 +332,18 @@ def lora_config(enable_lora: bool, max_loras: int | None, max_lora_rank: int | N
     return LoraConfig(**{k: v for k, v in given.items() if v is not None})
 
 
+MAX_SESSION_ID_LEN = 256
+
+
+def check_session_id(session_id) -> None:
+    """A session id is a non-empty string of at most MAX_SESSION_ID_LEN characters."""
+    if session_id is None:
+        return
+    if not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID_LEN:
+        raise RequestError(f"session_id: expected a non-empty string of at most "
+                           f"{MAX_SESSION_ID_LEN} characters, got {session_id!r:.80}")
+
+
 def request_output(request: Request, tokenizer) -> RequestOutput:
     first = request.sequences[0]
     for seq in request.sequences:  # logprob entries leave the engine as token ids
@@ -344,9 +378,12 @@ class LLM:
     def generate(self, prompts: PromptInput | Seq[PromptInput],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+                 session_id: str | Seq[str | None] | None = None,
                  ) -> list[RequestOutput]:
         """`lora_request`: one adapter for every prompt, or a list with one entry per
-        prompt (None: the base model), as vLLM takes it (needs enable_lora=True)."""
+        prompt (None: the base model), as vLLM takes it (needs enable_lora=True).
+        `session_id`: the multi-turn session of every prompt, or one per prompt (None:
+        none); a session keeps its latest turn for the next (scheduler/sessions.py)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -355,14 +392,31 @@ class LLM:
             raise RequestError(f"sampling_params: {len(params_list)} given for "
                                f"{len(prompts)} prompts")
         loras = self._lora_names(lora_request, len(prompts))
-        requests = [self.engine.make_request(p, sp, lora_name=lora)
-                    for p, sp, lora in zip(prompts, params_list, loras)]
+        sessions = self._per_prompt("session_id", session_id, len(prompts))
+        requests = [self.engine.make_request(p, sp, lora_name=lora, session_id=sid)
+                    for p, sp, lora, sid in zip(prompts, params_list, loras, sessions)]
         for request in requests:
             self.engine.submit(request)
         while not all(r.finished for r in requests):
             self.engine.step()
         self.engine.drain()
         return [request_output(r, self.tokenizer) for r in requests]
+
+    def close_session(self, session_id: str) -> bool:
+        """End a session now, releasing what it pins; False when none was open."""
+        found = []
+        self.engine.close_session(session_id, lambda result, _: found.append(result))
+        while not found:
+            self.engine.step()
+        return found[0]
+
+    @staticmethod
+    def _per_prompt(name: str, value, num_prompts: int) -> list:
+        if isinstance(value, (list, tuple)):
+            if len(value) != num_prompts:
+                raise RequestError(f"{name}: {len(value)} given for {num_prompts} prompts")
+            return list(value)
+        return [value] * num_prompts
 
     def _lora_names(self, lora_request, num_prompts: int) -> list[str | None]:
         if isinstance(lora_request, (list, tuple)):

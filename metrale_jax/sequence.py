@@ -73,6 +73,9 @@ class Sequence:
     spill: Any = None                   # the SpillHandle while swapped
     spilled_blocks: int = 0
     block_hashes: list = dataclasses.field(default_factory=list)  # committed prefix chain
+    # The block hash of this sequence's latest decode-time SSM snapshot: the next one it
+    # keeps replaces it, so decoding keeps at most one per sequence (`Memory._kept`).
+    decode_snapshot: bytes | None = None
     error: str | None = None
     uid: int = dataclasses.field(default_factory=lambda: next(_uids))
     # MTP drafts for the tokens after `output_ids[:drafts_at]` (speculative steps make

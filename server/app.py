@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale_jax.async_engine import AsyncLLM
 
-from server import admin, lora_routes, openapi
+from server import admin, lora_routes, openapi, session_routes
 from server.openai_routes import (STATE, chat_completions, completions, read_body,
                                   render_chat)
 from server.protocol import APIError, chat_messages, get_bool, get_str
@@ -153,6 +153,7 @@ def create_app(llm: AsyncLLM, config: ServerConfig | None = None, *,
     app.router.add_post("/detokenize", detokenize)
     admin.add_routes(app)
     lora_routes.add_routes(app)
+    session_routes.add_routes(app)
     app.router.add_get("/openapi.json", openapi.openapi_json)
     app.cleanup_ctx.append(_watchdog)
     return app

@@ -58,7 +58,8 @@ class Generation:
                 engine_id = llm.submit({"prompt_token_ids": ids, "prompt": text}, params,
                                        queue=self.queue, key=i,
                                        request_id=f"{self.request_id}-{i}",
-                                       priority=parsed.priority, lora_name=parsed.lora_name)
+                                       priority=parsed.priority, lora_name=parsed.lora_name,
+                                       session_id=parsed.session_id)
                 self.engine_ids.append(engine_id)
                 self.timers.append(RequestTimer(state.metrics, llm, len(ids)))
                 self.prompt_ids.append(ids)

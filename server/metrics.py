@@ -55,11 +55,30 @@ class EngineCollector:
                           ("cache_losses", "Failed steps that took the device caches with "
                                            "them (running sequences recomputed).")):
             yield self._counter(f"metrale:num_{name}", doc, counters.get(name, 0))
+        yield from self._sessions(counters)
         yield from self._spec_decode(counters)
         yield from self._phases(stats["phases"])
         yield self._gauge("metrale:compiled_variants",
                           "Compiled step variants (a rise while serving means a compile).",
                           stats["compiled_variants"])
+
+    def _sessions(self, counters: dict):
+        """How sessions ended and what their tails saved."""
+        for name, doc in (("sessions_opened", "Sessions opened (an unknown id opens one)."),
+                          ("sessions_expired", "Sessions ended by their TTL."),
+                          ("sessions_deleted", "Sessions ended by DELETE /v1/sessions/{id}."),
+                          ("sessions_evicted", "Sessions ended under memory pressure or "
+                                               "their budgets."),
+                          ("session_tail_hits", "Turns that started from their session's "
+                                                "last turn."),
+                          ("session_tail_tokens", "Prompt tokens those turns did not "
+                                                  "compute."),
+                          ("session_tails_stored", "Tails memory pressure moved to the host "
+                                                   "RAM / disk tier."),
+                          ("session_tier_restores", "Tails brought back from that tier."),
+                          ("session_tier_misses", "Stored tails found unreadable or gone "
+                                                  "(the turn computed instead).")):
+            yield self._counter(f"metrale:{name}", doc, counters.get(name, 0))
 
     def _spec_decode(self, counters: dict):
         """Speculative decoding, shaped like vLLM's `vllm:spec_decode_*` counters."""
@@ -110,6 +129,15 @@ class EngineCollector:
         yield self._gauge("metrale:delivered_tokens_per_second",
                           "The MTP gate's delivered tokens/s (EMA); 0 without speculation.",
                           snap.delivered_tps)
+        yield self._gauge("metrale:ssm_snapshot_slots_used",
+                          "SSM snapshot slots holding a state (the model's pool).",
+                          snap.ssm_slots_used)
+        yield self._gauge("metrale:ssm_snapshot_slots_total", "SSM snapshot slots.",
+                          snap.ssm_slots_total)
+        yield self._gauge("metrale:sessions_open", "Multi-turn sessions open.",
+                          snap.sessions_open)
+        yield self._gauge("metrale:session_pinned_blocks",
+                          "KV blocks the sessions' latest turns pin.", snap.session_pinned_blocks)
         if snap.max_loras:
             yield from self._lora(snap)
         mode = GaugeMetricFamily("metrale:mtp_mode", "The MTP gate's mode this tick (1 for "

@@ -175,6 +175,9 @@ def _sampling_fields(limits: P.Limits) -> dict:
                                      description="only with stream: true; "
                                                  "continuous_usage_stats needs include_usage")),
         "priority": _null(INT), "user": _null(STR),
+        "session_id": _null({**STR, "minLength": 1, "maxLength": P.MAX_SESSION_ID_LEN,
+                             "description": "the multi-turn session: its latest turn stays "
+                                            "cached for the next; an unknown id opens one"}),
         **_structured_fields(),
         **_unbuilt_fields(),
     }
@@ -399,6 +402,14 @@ def _paths() -> dict:
             "unload a LoRA adapter (answered once the engine applied it)",
             {"text/plain": {"schema": STR}}, body="UnloadLoraAdapterRequest",
             errors=(*post_errors, "503"))},
+        "/v1/sessions/{session_id}": {"delete": {
+            **_op("end a session, releasing the KV blocks and SSM state it pins (404: no "
+                  "such session open)",
+                  _json(_obj({"id": STR, "object": {"enum": ["session"]}, "deleted": BOOL},
+                             ("id", "object", "deleted"))), errors=("400", "503")),
+            "parameters": [{"name": "session_id", "in": "path", "required": True,
+                            "schema": {**STR, "minLength": 1,
+                                       "maxLength": P.MAX_SESSION_ID_LEN}}]}},
         "/v1/admin/levers": {
             "get": _op("the runtime levers", _json(_ref("Levers"))),
             "post": _op("change levers; answers all of them", _json(_ref("Levers")),

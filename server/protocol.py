@@ -188,6 +188,8 @@ class ParsedRequest:
     tool_calling: Any = None
     # The LoRA adapter the body's `model` names (None: the base model).
     lora_name: str | None = None
+    # The multi-turn session the request belongs to (extra body field `session_id`).
+    session_id: str | None = None
 
     def params_for(self, prompt_len: int, limits: "Limits") -> SamplingParams:
         """The sampling parameters for one prompt (the engine checks them against the
@@ -418,6 +420,17 @@ def _prompts(body: dict, limits: Limits) -> list:
                         "or list of token-id lists")
 
 
+MAX_SESSION_ID_LEN = 256
+
+
+def _session_id(body: dict) -> str | None:
+    """The extra body field `session_id`: a non-empty string of at most 256 characters."""
+    session_id = get_str(body, "session_id")
+    if session_id is not None and not 0 < len(session_id) <= MAX_SESSION_ID_LEN:
+        raise bad("session_id", f"must be 1 to {MAX_SESSION_ID_LEN} characters long")
+    return session_id
+
+
 def parse_completion(body: dict, limits: Limits) -> ParsedRequest:
     lora_name = check_model(body, limits)
     refuse_unbuilt(body)
@@ -447,7 +460,8 @@ def parse_completion(body: dict, limits: Limits) -> ParsedRequest:
                          get_int(body, "priority", 0), None,
                          default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
                          continuous_usage=continuous, score_only=score_only,
-                         constraint=constraint, lora_name=lora_name)
+                         constraint=constraint, lora_name=lora_name,
+                         session_id=_session_id(body))
 
 
 def score_only_delta(delta: StreamDelta) -> StreamDelta:
@@ -530,5 +544,5 @@ def parse_chat(body: dict, limits: Limits) -> tuple[ParsedRequest, list[dict], d
     parsed = ParsedRequest([], params, stream, include_usage, False,
                            get_int(body, "priority", 0), logprobs, continuous_usage=continuous,
                            constraint=constraint, tool_calling=tool_calling,
-                           lora_name=lora_name)
+                           lora_name=lora_name, session_id=_session_id(body))
     return parsed, messages, options

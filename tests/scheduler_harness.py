@@ -40,11 +40,12 @@ def make_core(*, num_blocks: int = 64, block_size: int = 4, max_batch: int = 4,
               prefix: bool = True, has_ssm: bool = True, watermark: float = 0.0,
               max_seq_len: int = 64, policy: str = "fcfs", spill=None,
               spill_dir: str | None = None, max_loras: int = 0,
-              rotation_hold_ticks: int = 16) -> SchedulerCore:
+              rotation_hold_ticks: int = 16, sessions=None,
+              num_snapshots: int = 4, tier=None) -> SchedulerCore:
     """`max_loras` > 0: LoRA on, with an `AdapterRegistry` whose loader builds
     `fake_weights` (register adapters with `add_adapter`)."""
     runner = FakeRunner(num_blocks, block_size, max_batch, has_ssm=has_ssm,
-                        max_loras=max_loras)
+                        max_loras=max_loras, num_snapshot_slots=num_snapshots)
     levers = Levers(LeverValues(
         max_tokens_per_tick=budget, max_batch_size=max_batch, admit_watermark=watermark,
         prefill_chunk_size=chunk, swap_enabled=swap, pipeline_enabled=pipeline,
@@ -58,7 +59,7 @@ def make_core(*, num_blocks: int = 64, block_size: int = 4, max_batch: int = 4,
         clock=FakeClock(step=0.001), sink=RecordingSink(), max_seq_len=max_seq_len,
         block_size=block_size, spill=spill,
         snapshot_slots=list(range(runner.num_seq_slots, runner.num_slots)),
-        check_every_tick=True,
+        check_every_tick=True, sessions=sessions, tier=tier,
         adapters=AdapterRegistry(max_loras, fake_loader) if max_loras else None)
 
 
@@ -84,12 +85,13 @@ _ids = iter(range(10**9))
 
 
 def make_request(prompt: list[int], max_tokens: int = 6, *, n: int = 1, priority: int = 0,
-                 max_len: int = 64, lora: str | None = None, **params) -> Request:
+                 max_len: int = 64, lora: str | None = None, session_id: str | None = None,
+                 **params) -> Request:
     rid = f"r{next(_ids)}"
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, n=n, **params)
     seqs = [Sequence(request_id=rid, index=i, prompt_ids=list(prompt), params=sp, seed=i,
                      detok=TOKENIZER.incremental(prompt), eos_token_id=None, max_len=max_len,
-                     priority=priority, lora_name=lora,
+                     priority=priority, lora_name=lora, session_id=session_id,
                      want_prompt_logprobs=(i == 0 and sp.prompt_logprobs is not None))
             for i in range(n)]
     return Request(rid, seqs, None)
@@ -120,6 +122,12 @@ def tick_until(core: SchedulerCore, cond, limit: int = 200) -> None:
             return
         core.tick()
     raise AssertionError("condition never held")
+
+
+def poison_free_slots(core: SchedulerCore) -> None:
+    """A free slot's state is whatever was left there: nothing may rely on it (a slot
+    freed and handed straight back would otherwise hide a missing state copy)."""
+    core.runner.ssm[list(core.slots._free)] = 123457
 
 
 def assert_accounted(core: SchedulerCore) -> None:

@@ -150,3 +150,50 @@ def test_prompt_logprobs_compile_nothing_after_warmup(llm):
                                                     temperature=0.0)] * 3)
     assert counter.count == before
     assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in out)
+
+
+def test_multi_turn_chats_with_sessions_equal_recompute(llm):
+    """Decode-time snapshots and session tails on the hybrid, tails restored from the host
+    tier after simulated memory pressure: every turn's greedy reply equals the same prompt
+    computed from scratch (prefix cache off), short chats included, with nothing compiled
+    and, once the session is closed, nothing pinned."""
+    core, compiled = llm.engine.core, llm.runner.counter.count
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+    def scratch(prompt):
+        llm.engine.levers.set(prefix_cache_enabled=False)
+        try:
+            return llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+        finally:
+            llm.engine.levers.set(prefix_cache_enabled=True)
+
+    # The chats take turns, so a slot freed by one turn holds another chat's state when
+    # the next turn of the first starts; replies are checked against scratch runs
+    # afterwards. The chat without a session reuses its decode-time snapshots.
+    history = {"long": llm.tokenizer.encode("To be, or not to be, that is"),
+               "short": llm.tokenizer.encode("x"),
+               None: llm.tokenizer.encode("The class statement")}
+    turns, hits = [], core.pool.stats.prefix_hit_tokens
+    for message in ("", " the question", " y"):
+        if message == " y":  # memory pressure: the idle sessions' tails go to host RAM
+            while core.sessions.give_back():
+                pass
+            assert core.sessions.num_stored == 2
+        for session in history:
+            prompt = history[session] + llm.tokenizer.encode(message)
+            out = llm.generate({"prompt_token_ids": prompt}, params, session_id=session)
+            reply = out[0].outputs[0].token_ids
+            turns.append((prompt, reply))
+            history[session] = prompt + reply
+    for prompt, reply in turns:
+        assert reply == scratch(prompt), prompt
+    counters = core.tel.counters()
+    assert counters["session_tail_hits"] >= 4  # the short chat's turns too (< one block)
+    assert counters["session_tier_restores"] == 2
+    assert core.pool.stats.prefix_hit_tokens - hits >= 16 * 2
+    assert llm.runner.counter.count == compiled
+    assert core.pool.num_used > 0 and core.sessions.pinned_blocks > 0
+    assert llm.close_session("long") and llm.close_session("short")
+    assert not llm.close_session("short")
+    assert core.pool.num_used == 0 and core.sessions.pinned_blocks == 0
+    core.check_integrity()

@@ -416,3 +416,26 @@ async def test_a_bug_mid_stream_ends_the_stream_with_an_error(client, monkeypatc
     assert "IndexError" in error["message"] and error["code"] == "500"
     monkeypatch.undo()
     assert (await post(client, "/v1/completions", {"prompt": PROMPTS[0], **greedy()}))["choices"]
+
+
+async def test_sessions_through_both_endpoints_and_delete(client, llm):
+    """`session_id` on completions and chat keeps the turn for the next one (same greedy
+    text as without); DELETE ends the session (404 after); session counts in /metrics."""
+    first = await post(client, "/v1/completions",
+                       {"prompt": "To be, or not", "session_id": "srv-a", **greedy()})
+    text = "To be, or not" + first["choices"][0]["text"]
+    plain = await post(client, "/v1/completions", {"prompt": text + " to", **greedy()})
+    again = await post(client, "/v1/completions",
+                       {"prompt": text + " to", "session_id": "srv-a", **greedy()})
+    assert again["choices"][0]["text"] == plain["choices"][0]["text"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], **greedy()}
+    await post(client, "/v1/chat/completions", {**chat, "session_id": "srv-b"})
+    await post(client, "/v1/completions", {"prompt": "x", "session_id": ""}, status=400)
+    metrics = await (await client.get("/metrics")).text()
+    assert "metrale:sessions_open" in metrics and "metrale:session_tail_hits_total" in metrics
+    assert "metrale:ssm_snapshot_slots_total" in metrics
+    for sid in ("srv-a", "srv-b"):
+        resp = await client.delete(f"/v1/sessions/{sid}")
+        assert resp.status == 200 and (await resp.json())["deleted"] is True
+    resp = await client.delete("/v1/sessions/srv-a")
+    assert resp.status == 404 and (await resp.json())["error"]["param"] == "session_id"

@@ -195,6 +195,39 @@ def test_drafts_are_verified_and_accepted(default_engines):
         assert after.get(name, 0) > before.get(name, 0)
 
 
+def test_multi_turn_sessions_with_mtp_and_spills_equal_solo(default_engines):
+    """Chats in sessions, their turns running together in the tight pool: speculative
+    decoding on, spills and preemptions mid-turn; every reply equals the prompt run
+    alone, session tails are hit, and once the sessions close nothing is held."""
+    engine = default_engines["tight"]
+    engine.levers.set(swap_enabled=True, pipeline_enabled=True, prefix_cache_enabled=True,
+                      max_tokens_per_tick=32, prefill_chunk_size=32, mtp_policy="on")
+    before = engine.core.tel.counters()
+    history = {f"chat{i}": list(range(200 + 30 * i, 218 + 30 * i)) for i in range(3)}
+    for turn in range(3):
+        reqs = {sid: engine.make_request(
+            {"prompt_token_ids": history[sid] + [300 + turn]},
+            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), session_id=sid)
+            for sid in history}
+        for r in reqs.values():
+            engine.submit(r)
+        while not all(r.finished for r in reqs.values()):
+            engine.step()
+        engine.drain()
+        for sid, r in reqs.items():
+            s = r.sequences[0]
+            assert s.output_ids == _solo_run(engine, "default", s.prompt_ids, 8), (sid, turn)
+            history[sid] = s.prompt_ids + s.output_ids
+    after = engine.core.tel.counters()
+    for name in ("session_tail_hits", "spec_decode_num_drafts"):
+        assert after.get(name, 0) > before.get(name, 0), name
+    assert sum(after.get(k, 0) - before.get(k, 0) for k in ("spills", "preemptions")) > 0
+    for sid in history:
+        engine.core.sessions.close(sid)
+    assert_accounted(engine.core)
+    engine.levers.set(mtp_policy="auto")
+
+
 def test_speculation_needs_mtp_modules(tmp_path):
     save_tiny_llama(tmp_path)
     with pytest.raises(SpeculativeConfigError, match="needs MTP modules"):

@@ -181,6 +181,17 @@ def _mtp(args) -> int:
                           **result})
 
 
+def _sessions(args) -> int:
+    from metrale_jax.bench.sessions import sessions_benchmark
+
+    result = sessions_benchmark(args.model, args.turns, args.turn_len, args.reply_len,
+                                args.prefix_len, seed=args.seed)
+    return _finish(args, {"benchmark": "hybrid state reuse: TTFT per chat turn with "
+                                       "sessions / prefix cache / recompute; warm vs cold "
+                                       "shared prefix", "model": args.model or
+                          "built-in default", **result})
+
+
 def _startup(args) -> int:
     from metrale_jax.bench.startup import startup
 
@@ -311,6 +322,18 @@ def add_parser(sub) -> None:
     p.add_argument("--depth", type=int, default=2, help="num_speculative_tokens")
     _output_arg(p)
     p.set_defaults(func=_mtp)
+
+    p = cmds.add_parser("sessions", help="hybrid state reuse: TTFT of each turn of a chat "
+                                         "with sessions, prefix cache only and recompute; "
+                                         "warm vs cold shared prefix")
+    _model_arg(p)
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--turn-len", type=int, default=200, help="new tokens per turn")
+    p.add_argument("--reply-len", type=int, default=16, help="generated tokens per turn")
+    p.add_argument("--prefix-len", type=int, default=2048, help="the shared prefix")
+    p.add_argument("--seed", type=int, default=0)
+    _output_arg(p)
+    p.set_defaults(func=_sessions)
 
     p = cmds.add_parser("startup", help="metrale serve: cold start (empty compilation "
                                         "cache) and cached start, exec to /health 200")

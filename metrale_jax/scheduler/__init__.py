@@ -10,6 +10,8 @@ The parts (mini-sglang's shape: small collaborators, the core orchestrates):
   core.py     SchedulerCore: running lists, requests, the tick, the loop, reporting
   phases.py   the seed's pre-step phases, each a function of the parts it needs
   memory.py   Memory: block pool, SSM state slots, SSM snapshots; commit and release
+  sessions.py Sessions: a multi-turn chat's latest turn pinned for its next turn (TTL,
+              budgets, DELETE, eviction under pressure through `Memory.pins`)
   parking.py  Parking: swapped and preempted sequences, the spill backend, resuming
   lanes.py    packing one batch; says "needs room for X" instead of making room
   commit.py   applying a step's results; returns the sequences it touched
@@ -36,13 +38,16 @@ One tick, in the seed's phase order (`SchedulerCore.tick` = `plan_tick` + `run_l
                   included), each acknowledged once; then the adapters the head of the
                   waiting queue needs are loaded, evicting least recently used ones.
   6. shutdown   — on an idle tick, poll the inbox; stop once it is closed and every accepted
-                  request is finished or answered.
+                  request is finished or answered. (Sessions past their TTL end at the
+                  start of every tick, before phase 1.)
   7. swap-out   — for each admitted prompt, reclaim cached prefix blocks (never its own
                   prefix), then spill the active sequence holding the most blocks until the
                   prompt fits; a failed spill stops spilling for the tick, losing nothing.
   8. lanes      — resume parked sequences, StartPrefills / ContinuePrefills / Decode packed
-                  into one batch, dispatch it; then the plain variant reads this step back,
-                  the overlapped one reads back the previous step while the device works.
+                  into one batch (a session's next turn starts from its tail), dispatch
+                  it, and queue one batch of SSM snapshot copies for every row that ended
+                  on a block boundary; then the plain variant reads this step back, the
+                  overlapped one reads back the previous step while the device works.
 `run()` loops ticks on the engine thread; when idle it publishes a fresh snapshot and blocks
 on the inbox.
 

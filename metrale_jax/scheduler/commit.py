@@ -48,7 +48,9 @@ def commit_step(results: list[RowResult], packed: list[PackedRow], memory: Memor
             if spec_depth:
                 _settle_drafts(seq, p, result, memory, out)
             memory.commit_blocks(seq)
+            memory.publish_staged(seq)
         out.touched.append(seq)
+    memory.flush_copies()
     return out
 
 

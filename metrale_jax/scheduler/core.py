@@ -18,6 +18,7 @@ import itertools
 import logging
 
 from metrale_jax.cache.spill import SpillBackend
+from metrale_jax.cache.tiers import StateTier
 from metrale_jax.lora.registry import AdapterRegistry
 from metrale_jax.request import Request
 from metrale_jax.scheduler import phases
@@ -30,6 +31,7 @@ from metrale_jax.scheduler.levers import Levers, LeverValues
 from metrale_jax.scheduler.memory import Memory
 from metrale_jax.scheduler.parking import Parking
 from metrale_jax.scheduler.policy import AdmissionPolicy
+from metrale_jax.scheduler.sessions import CloseSession, SessionConfig, Sessions
 from metrale_jax.scheduler.settle import must_settle
 from metrale_jax.scheduler.state import OutputSink, Pending, TickPlan
 from metrale_jax.sequence import Sequence, Status
@@ -45,7 +47,8 @@ class SchedulerCore:
                  clock: Clock, sink: OutputSink, max_seq_len: int, block_size: int,
                  spill: SpillBackend | None = None, snapshot_slots: list[int] | None = None,
                  check_every_tick: bool = False, gate: MtpGate | None = None,
-                 adapters: AdapterRegistry | None = None):
+                 adapters: AdapterRegistry | None = None,
+                 sessions: SessionConfig | None = None, tier: StateTier | None = None):
         self.runner, self.levers, self.policy = runner, levers, policy
         # Speculative decoding: the gate picks the plain or the speculative step per tick.
         self.gate = gate
@@ -58,6 +61,11 @@ class SchedulerCore:
                              num_seq_slots=runner.num_seq_slots,
                              snapshot_slots=snapshot_slots or [], has_ssm=runner.has_ssm,
                              copy_slots=runner.copy_slots)
+        # Multi-turn sessions keep their latest turn pinned (`sessions`); they give it
+        # back when memory runs short, to the second tier (`tier`: host RAM, then disk).
+        self.sessions = Sessions(sessions or SessionConfig(), self.memory, clock, self.tel,
+                                 runner=runner, tier=tier)
+        self.memory.pins = self.sessions
         self.parking = Parking(runner=runner, memory=self.memory, spill=spill, tel=self.tel,
                                clock=clock)
         self.inbox = Inbox()
@@ -114,6 +122,7 @@ class SchedulerCore:
     def plan_tick(self) -> TickPlan:
         t, tick = self.clock.now(), self.steps_total
         self.absorb(self.inbox.recv(wait=False))
+        self.sessions.expire()
         hold = self._rotation_holds(tick)
         new = phases.drain_pending(self.pending, self.policy, self.levers_now,
                                    len(self.active) + len(self.prefilling), bool(self.parking),
@@ -350,7 +359,12 @@ class SchedulerCore:
     # ---- requests in and out --------------------------------------------------------------
 
     def absorb(self, received: Received) -> None:
+        commands = [i for i in received.items if isinstance(i, CloseSession)]
+        if commands:
+            received.items = [i for i in received.items if not isinstance(i, CloseSession)]
         self.pending.absorb(received, self._accept, self.abort)
+        for command in commands:  # host books only: safe whatever runs on the device
+            command.ack(self.sessions.close(command.session_id), None)
 
     def _poll_inbox(self) -> None:
         self.absorb(self.inbox.recv(wait=False))
@@ -360,6 +374,8 @@ class SchedulerCore:
         for seq in request.sequences:
             seq.order = next(self._order)
             seq.arrival = self.clock.now() if not seq.arrival else seq.arrival
+            if seq.session_id is not None:
+                self.sessions.accept(seq)
 
     def emit(self, seq: Sequence) -> None:
         request = self.requests.get(seq.request_id)
@@ -369,6 +385,8 @@ class SchedulerCore:
     def finish(self, seq: Sequence) -> None:
         """A sequence is done (stop, length, error or abort): free everything it holds."""
         self._remove(seq)
+        if seq.session_id is not None:
+            self.sessions.finish(seq)  # before release: the tail keeps what it needs
         self.memory.release(seq)
         self.parking.discard_spill(seq)
         seq.status = Status.FINISHED
@@ -468,6 +486,7 @@ class SchedulerCore:
         for seq in running:
             self._remove(seq)
             self.parking.preempt(seq)
+        self.sessions.drop_tails()
         self.memory.forget_device_state()
         self.tel.count("cache_losses")
         logger.warning("device caches were lost with the failed step and re-allocated; "
@@ -504,7 +523,8 @@ class SchedulerCore:
             new=new, pending=self.pending, memory=self.memory, num_requests=len(self.requests),
             steps_total=self.steps_total, now=self.clock.now(), gate=self.gate,
             lora=self.cohort.view(self.active + self.prefilling, self.pending.waiting,
-                                  len(self.pending.rotations))))
+                                  len(self.pending.rotations)),
+            sessions=self.sessions))
 
     @property
     def pool(self):
@@ -543,3 +563,4 @@ class SchedulerCore:
         """No block owned twice, pool books balanced, slots and spill files accounted for."""
         self.memory.check_integrity(self.active + self.prefilling)
         self.parking.check_integrity()
+        self.sessions.check_integrity()

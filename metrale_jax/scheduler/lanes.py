@@ -122,7 +122,8 @@ def pack_lanes(active: list[Sequence], prefilling: list[Sequence], memory: Memor
 
 def mark_dispatched(packed: list[PackedRow], memory: Memory) -> list[Sequence]:
     """Host bookkeeping that does not wait for the device: computed counts, in-flight
-    tokens, prompt blocks into the prefix cache, SSM snapshots at block boundaries.
+    tokens, known blocks into the prefix cache, SSM snapshots at block boundaries (staged
+    when the token that ends the block is still on the device).
     Returns the prefills that reached their end (they decode from now on)."""
     done_prefilling = []
     for p in packed:
@@ -135,6 +136,10 @@ def mark_dispatched(packed: list[PackedRow], memory: Memory) -> list[Sequence]:
             if seq.status is Status.PREFILLING:
                 seq.status = Status.RUNNING
                 done_prefilling.append(seq)
-        if not p.row.num_drafts and memory.commit_blocks(seq):
+        if not p.row.num_drafts:
+            # Every row that ends on a block boundary keeps its SSM state there, prefill
+            # chunk or decode token; one batch of copies for the whole step.
+            memory.commit_blocks(seq)
             memory.snapshot_boundary(seq)
+    memory.flush_copies()
     return done_prefilling

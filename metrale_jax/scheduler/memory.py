@@ -9,11 +9,29 @@ the `copy_slots` the runner provides (ordered after every step already dispatche
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence as Seq
+from typing import Protocol
 
 from metrale_jax.cache.block_pool import BlockPool, SlotPool
 from metrale_jax.cache.prefix_hash import ROOT_HASH
 from metrale_jax.cache.ssm_snapshots import SnapshotPool
 from metrale_jax.sequence import Sequence
+
+
+class Pins(Protocol):
+    """Holders of blocks besides running sequences (the scheduler's sessions)."""
+
+    @property
+    def pinned_blocks(self) -> int: ...
+
+    def give_back(self) -> bool:
+        """Release the least recently used holder; False when none can go."""
+
+    def take_tail(self, seq: Sequence) -> object | None:
+        """At admission: hand a kept state to `seq` (via `adopt_tail`), or None."""
+
+    def tables(self) -> dict: ...
+
+    def owners(self) -> list: ...
 
 
 class Memory:
@@ -25,6 +43,10 @@ class Memory:
         self.slots = SlotPool(num_seq_slots)        # SSM state slot + future-token cell
         self.snapshots = SnapshotPool(snapshot_slots)
         self.has_kv = num_blocks > 1                # a pure-SSM model has no KV pool
+        self._copies: list[tuple[int, int]] = []   # (src, dst) snapshot copies queued
+        # What holds blocks besides sequences and gives them back under pressure (the
+        # scheduler's `Sessions`); None: nothing does.
+        self.pins: Pins | None = None
 
     # ---- queries ------------------------------------------------------------------------
 
@@ -37,8 +59,17 @@ class Memory:
 
     @property
     def reclaimable(self) -> int:
-        """Free blocks plus unreferenced cached ones (evicted on demand)."""
-        return self.pool.num_free + self.pool.num_cached
+        """Free blocks plus unreferenced cached ones (evicted on demand) plus what pins
+        give back under pressure."""
+        pinned = self.pins.pinned_blocks if self.pins is not None else 0
+        return self.pool.num_free + self.pool.num_cached + pinned
+
+    def make_room(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` can be allocated, pins giving way (least recent first)."""
+        while not self.pool.can_allocate(num_blocks):
+            if self.pins is None or not self.pins.give_back():
+                return False
+        return True
 
     def _snapshot_usable(self):
         # On a hybrid model a cached KV prefix is only reusable with the SSM state there.
@@ -47,9 +78,10 @@ class Memory:
     # ---- a sequence's lifetime ------------------------------------------------------------
 
     def admit(self, seq: Sequence, reuse_prefix: bool) -> None:
-        """A slot for a starting prefill and, when allowed, the cached prefix it can reuse."""
+        """A slot for a starting prefill and, when allowed, the cached prefix it can reuse
+        (`pins.take_tail`: a session's last turn first)."""
         seq.slot = self.slots.allocate()
-        if not reuse_prefix:
+        if not reuse_prefix or (self.pins is not None and self.pins.take_tail(seq)):
             return
         match = self.pool.match_prefix(seq.prompt_ids, seq.adapter_id, self._snapshot_usable())
         if not match.blocks:
@@ -61,12 +93,37 @@ class Memory:
         if self.has_ssm:
             self._copy_slots([self.snapshots.lookup(match.hashes[-1])], [seq.slot])
 
+    def adopt_tail(self, seq: Sequence, tail, owner) -> None:
+        """Admission from a session's tail: the sequence takes over its block references
+        and starts from its state (copied out of the slot the session held, which is freed:
+        the copy is ordered before any later write to it)."""
+        seq.block_table, seq.block_hashes = tail.blocks, tail.hashes
+        seq.num_computed = len(tail.tokens)
+        if self.has_ssm:
+            self._copy_slots([self.snapshots.held_slot(owner)], [seq.slot])
+            self.snapshots.drop_held(owner)
+
+    def pin_tail(self, seq: Sequence, tail, owner) -> bool:
+        """Keep a finishing sequence's blocks and state for its session (before `release`);
+        False when no snapshot slot can be had."""
+        if self.has_ssm:
+            slot = self.snapshots.hold(owner, len(tail.tokens))
+            if slot is None:
+                return False
+            self._copy_slots([seq.slot], [slot])
+        self.pool.acquire(tail.blocks)
+        return True
+
+    def unpin_tail(self, tail, owner) -> None:
+        self.pool.release(tail.blocks)
+        self.snapshots.drop_held(owner)
+
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Append blocks so the table covers `num_tokens` (tables only ever grow)."""
         extra = self.blocks_for(num_tokens) - len(seq.block_table)
         if extra <= 0:
             return True
-        if not self.pool.can_allocate(extra):
+        if not self.make_room(extra):
             return False
         seq.block_table.extend(self.pool.allocate(extra))
         return True
@@ -95,19 +152,63 @@ class Memory:
             self.pool.release(tail)
 
     def snapshot_boundary(self, seq: Sequence) -> None:
-        """After a commit that ends exactly on the computed tokens, keep the SSM state there
-        (the copy runs after this step on the device)."""
-        if self.has_ssm and seq.num_computed == len(seq.block_hashes) * self.block_size:
-            slot = self.snapshots.reserve(seq.block_hashes[-1])
+        """After a step that ended `seq` exactly on a block boundary, keep the SSM state
+        there: keyed at once when the block's hash is known, else staged until the token
+        that filled it is read back (`publish_staged`). The copy is queued and runs, with
+        the step's other copies, at `flush_copies`, before any later step."""
+        end, bs = seq.num_computed, self.block_size
+        if not self.has_ssm or end == 0 or end % bs:
+            return
+        if len(seq.block_hashes) * bs >= end:
+            block_hash = seq.block_hashes[end // bs - 1]
+            if block_hash in self.snapshots:
+                self.snapshots.lookup(block_hash)  # the same state, kept already
+                return
+            slot = self.snapshots.reserve(block_hash)
             if slot is not None:
-                self._copy_slots([seq.slot], [slot])
+                self._copies.append((seq.slot, slot))
+                self._kept(seq, block_hash, end)
+        else:
+            slot = self.snapshots.hold(seq.uid, end)
+            if slot is not None:
+                self._copies.append((seq.slot, slot))
+
+    def publish_staged(self, seq: Sequence) -> None:
+        """Key the sequence's staged snapshot once its block's hash is committed."""
+        end = self.snapshots.held_at(seq.uid)
+        if end is None or len(seq.block_hashes) * self.block_size < end:
+            return
+        block_hash = seq.block_hashes[end // self.block_size - 1]
+        if self.snapshots.publish(seq.uid, block_hash):
+            self._kept(seq, block_hash, end)
+
+    def _kept(self, seq: Sequence, block_hash: bytes, end: int) -> None:
+        """Decode-time snapshots are capped at one per sequence: the newest replaces the
+        one before (prompt boundaries are kept: they are what shared prefixes hit)."""
+        if end <= len(seq.prompt_ids):
+            return
+        if seq.decode_snapshot is not None:
+            self.snapshots.discard(seq.decode_snapshot)
+        seq.decode_snapshot = block_hash
+
+    def flush_copies(self) -> None:
+        """Dispatch the queued snapshot copies as one batch (sources are sequence slots,
+        destinations snapshot slots; a slot evicted and retaken gets the later copy)."""
+        if not self._copies:
+            return
+        by_dst = {dst: src for src, dst in self._copies}
+        self._copies.clear()
+        self._copy_slots(list(by_dst.values()), list(by_dst))
 
     def reclaim_for(self, seq: Sequence) -> int:
         """Evict cached prefix blocks for an admitted prompt, never the prefix it will reuse
         (a prompt-logprobs request reuses nothing); returns the free-block target."""
         reused = [] if seq.params.prompt_logprobs is not None else seq.prompt_ids
-        return self.pool.reclaim_prefix_blocks_for(
-            reused, seq.adapter_id, self.prompt_blocks(seq), self._snapshot_usable()).target
+        while True:
+            target = self.pool.reclaim_prefix_blocks_for(
+                reused, seq.adapter_id, self.prompt_blocks(seq), self._snapshot_usable()).target
+            if self.pool.num_free >= target or self.pins is None or not self.pins.give_back():
+                return target
 
     def release(self, seq: Sequence) -> None:
         if seq.block_table:
@@ -116,6 +217,10 @@ class Memory:
         if seq.slot:
             self.slots.free(seq.slot)
             seq.slot = 0
+        # A held (staged) snapshot's token was never read back; the last kept one stays
+        # cached.
+        self.snapshots.drop_held(seq.uid)
+        seq.decode_snapshot = None
 
     def forget_device_state(self) -> None:
         """The device caches were re-allocated empty: cached prefix blocks and SSM snapshots
@@ -126,11 +231,19 @@ class Memory:
     # ---- books ----------------------------------------------------------------------------
 
     def check_integrity(self, live: Seq[Sequence]) -> None:
-        """No block owned twice, pool books balanced, every held slot accounted for."""
-        self.pool.check_integrity({id(s): s.block_table for s in live})
+        """No block owned twice, pool books balanced, every held slot accounted for (the
+        pins' blocks and staged states included)."""
+        tables = {id(s): s.block_table for s in live}
+        owners = [s.uid for s in live]
+        if self.pins is not None:
+            tables.update(self.pins.tables())
+            owners += self.pins.owners()
+        self.pool.check_integrity(tables)
         held = [s.slot for s in live if s.slot]
         if len(set(held)) != len(held) or self.slots.num_free + len(held) != \
                 self.slots.num_slots - 1:
             raise AssertionError(f"SSM slots out of balance: held {sorted(held)}, "
                                  f"{self.slots.num_free} free of {self.slots.num_slots - 1}")
-        self.snapshots.check_integrity()
+        self.snapshots.check_integrity(owners)
+        if self._copies:
+            raise AssertionError(f"snapshot copies queued and never run: {self._copies}")

@@ -143,7 +143,7 @@ class Parking:
         """Bring a swapped sequence back; False when there is no room yet."""
         memory = self.memory
         needed = seq.spilled_blocks
-        if not memory.pool.can_allocate(needed + 1) or not memory.slots.num_free:
+        if not memory.slots.num_free or not memory.make_room(needed + 1):
             return False
         self.swapped.remove(seq)
         try:
@@ -171,7 +171,7 @@ class Parking:
         """A preempted sequence restarts as a prefill over its prompt and outputs so far."""
         memory = self.memory
         first = min(seq.virtual_len, first_chunk)
-        if not memory.pool.can_allocate(memory.blocks_for(first)) or not memory.slots.num_free:
+        if not memory.slots.num_free or not memory.make_room(memory.blocks_for(first)):
             return False
         self.preempted.remove(seq)
         seq.slot = memory.slots.allocate()

@@ -78,7 +78,7 @@ def gate_admissions(new: list[Sequence], *, pending: Pending, memory: Memory,
 def build_snapshot(*, active: list[Sequence], prefilling: list[Sequence], num_parked: int,
                    new: list[Sequence], pending: Pending, memory: Memory, num_requests: int,
                    steps_total: int, now: float, gate: MtpGate | None = None,
-                   lora: dict | None = None) -> SchedulerSnapshot:
+                   lora: dict | None = None, sessions=None) -> SchedulerSnapshot:
     """Phase 4: every field of the seed's snapshot, plus the live counts the server reads.
     `mtp_mode` and `delivered_tps` are the MTP gate's (`observe()`); off without one."""
     pool = memory.pool
@@ -92,7 +92,10 @@ def build_snapshot(*, active: list[Sequence], prefilling: list[Sequence], num_pa
         mtp_mode=str(getattr(mtp_mode, "value", mtp_mode)), delivered_tps=float(delivered),
         steps_total=steps_total, published_at=now,
         requests_len=num_requests, prefix_query_tokens=stats.prefix_query_tokens,
-        prefix_hit_tokens=stats.prefix_hit_tokens, **(lora or {}))
+        prefix_hit_tokens=stats.prefix_hit_tokens,
+        sessions_open=len(sessions) if sessions is not None else 0,
+        session_pinned_blocks=sessions.pinned_blocks if sessions is not None else 0,
+        **(lora or {}))
 
 
 def apply_rotations(pending: Pending, quiet: bool,

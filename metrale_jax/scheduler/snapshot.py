@@ -36,6 +36,9 @@ class SchedulerSnapshot:
     lora_running: tuple[tuple[str, int], ...] = ()
     lora_waiting: tuple[str, ...] = ()
     rotations_waiting: int = 0
+    # Multi-turn sessions: open ones, and the KV blocks their latest turns pin.
+    sessions_open: int = 0
+    session_pinned_blocks: int = 0
 
     @property
     def running_seqs(self) -> int:
