@@ -131,3 +131,41 @@ def test_real_model_mixed_adapters_equal_alone_and_rotate_through_two_slots():
     base = tokens(llm.generate([prompts[0]], params))[0]
     assert base != together[0]  # the adapter changes what the model says
     assert llm.engine.core.pool.num_used == 0
+
+
+TIGHT_ENGINE = dict(max_batch_size=4, max_tokens_per_tick=32, max_seq_len=48, block_size=8,
+                    num_kv_blocks=8, seq_buckets=(2, 4), token_buckets=(16, 32),
+                    query_buckets=(1, 8, 32), block_buckets=(6,), max_logprobs=5)
+
+
+@pytest.mark.parametrize("levers", [
+    dict(pipeline_enabled=True, prefix_cache_enabled=True, swap_enabled=True),
+    dict(pipeline_enabled=False, prefix_cache_enabled=False, swap_enabled=True),
+    dict(pipeline_enabled=True, prefix_cache_enabled=False, swap_enabled=False)])
+def test_real_model_mixed_adapters_equal_alone_under_spills_and_preemptions(levers, tmp_path):
+    """Three adapters and the base model in a KV pool that holds two of the four sequences:
+    spilled (or recomputed) sequences resume under their own adapter, with the pipeline and
+    the prefix cache on or off, and every output equals the prompt run alone."""
+    loader = RandomAdapters()
+    llm = LLM(warmup=False, enable_lora=True, max_loras=3, max_lora_rank=8,
+              adapter_loader=loader, spill_dir=str(tmp_path), **TIGHT_ENGINE)
+    loader.model_config = llm.model_config
+    llm.engine.levers.set(**levers)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = ["To be, or not to be", "The class statement", "Python supports the",
+               "Now is the winter"]
+    loras = [LoRARequest(n, i, f"/adapters/{n}") if n else None
+             for i, n in enumerate(["a", None, "b", "c"], 1)]
+
+    def tokens(outputs):
+        return [o.outputs[0].token_ids for o in outputs]
+
+    alone = [tokens(llm.generate([p], params, lora_request=r))[0]
+             for p, r in zip(prompts, loras)]
+    before = llm.engine.core.tel.counters()
+    together = tokens(llm.generate(prompts, params, lora_request=loras))
+    after = llm.engine.core.tel.counters()
+    assert together == alone
+    moved = {k: after.get(k, 0) - before.get(k, 0) for k in ("spills", "preemptions")}
+    assert moved["spills" if levers["swap_enabled"] else "preemptions"] > 0, moved
+    assert llm.engine.core.pool.num_used == 0
