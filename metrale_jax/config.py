@@ -173,6 +173,43 @@ class SessionConfig:
 
 
 @dataclass(frozen=True)
+class PrefixTierConfig:
+    """The prefix tier (scheduler/prefix_tier.py): cached prefix blocks and SSM snapshots
+    the device evicts go to host RAM, then to disk (the spill store's files, under the
+    engine's spill directory), and come back on a prefix hit. Off by default (both 0), as
+    vLLM's KV offloading and SGLang's HiCache are: every eviction then copies the block's
+    pages to the host."""
+
+    host_bytes: int = 0
+    disk_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("host_bytes", "disk_bytes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"prefix_tier.{name}: must be an int >= 0, got "
+                                 f"{getattr(self, name)!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes > 0 or self.disk_bytes > 0
+
+    @classmethod
+    def parse(cls, value: "PrefixTierConfig | dict | None") -> "PrefixTierConfig":
+        if value is None:
+            return cls()
+        if isinstance(value, dict):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(f"prefix_tier: unknown field(s) {unknown}")
+            return cls(**value)
+        if not isinstance(value, cls):
+            raise ValueError(f"prefix_tier: expected a PrefixTierConfig or a dict, got "
+                             f"{type(value).__name__}")
+        return value
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
     # The KV pool holds `num_kv_blocks` blocks (block 0 is the null block); when None it is
@@ -229,6 +266,8 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     # Multi-turn sessions: TTL and pinning budgets (a dict becomes the validated object).
     sessions: SessionConfig = SessionConfig()
+    # The prefix tier for evicted prefix blocks and SSM snapshots (a dict becomes the object).
+    prefix_tier: PrefixTierConfig = PrefixTierConfig()
 
     def __post_init__(self) -> None:
         # A dict or JSON text (vLLM's shape) becomes the validated object.
@@ -236,6 +275,7 @@ class EngineConfig:
         _require(isinstance(self.parallel, ParallelConfig), "parallel",
                  f"must be a ParallelConfig, got {type(self.parallel).__name__}")
         object.__setattr__(self, "sessions", SessionConfig.parse(self.sessions))
+        object.__setattr__(self, "prefix_tier", PrefixTierConfig.parse(self.prefix_tier))
         for name in ("block_size", "kv_memory_bytes", "max_seq_len", "max_batch_size",
                      "max_tokens_per_tick"):
             _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")

@@ -111,6 +111,7 @@ class LLMEngine:
         if spill_backend is None and engine.enable_swap:
             spill_backend = SpillStore(pathlib.Path(self._spill_dir()))
         clock = clock or MonotonicClock()
+        self._tiers = (self._state_tier(), self._prefix_tier())
         gate = None
         if engine.speculative is not None:
             gate = MtpGate(GateConfig(policy=engine.speculative.gate),
@@ -122,7 +123,7 @@ class LLMEngine:
             block_size=engine.block_size, spill=spill_backend,
             snapshot_slots=list(range(self.runner.num_seq_slots, self.runner.num_slots)),
             check_every_tick=check_every_tick, adapters=self.adapters,
-            sessions=engine.sessions, tier=self._state_tier())
+            sessions=engine.sessions, tier=self._tiers[0], prefix_tier=self._tiers[1])
         self._ids = itertools.count()
         self._seeds = random.Random(engine.seed)
         self._grammar = None                 # GrammarCompiler, built on first use
@@ -135,8 +136,20 @@ class LLMEngine:
         store = None
         if cfg.disk_tier_bytes:
             base = self._own_spill_dir or self.engine_config.spill_dir or self._spill_dir()
-            store = SpillStore(pathlib.Path(base) / "tier")
+            store = SpillStore(pathlib.Path(base) / "tier", durable=False)
         return StateTier(cfg.host_tier_bytes, cfg.disk_tier_bytes, store)
+
+    def _prefix_tier(self) -> StateTier | None:
+        """Host RAM, then disk under the spill directory (`prefix-tier`), for prefix
+        blocks and SSM snapshots the device evicts; None when off."""
+        cfg = self.engine_config.prefix_tier
+        if not cfg.enabled:
+            return None
+        store = None
+        if cfg.disk_bytes:
+            base = self._own_spill_dir or self.engine_config.spill_dir or self._spill_dir()
+            store = SpillStore(pathlib.Path(base) / "prefix-tier", durable=False)
+        return StateTier(cfg.host_bytes, cfg.disk_bytes, store)
 
     def _spill_dir(self) -> str:
         if self.engine_config.spill_dir is not None:
@@ -173,6 +186,9 @@ class LLMEngine:
         return self.core.levers
 
     def close(self) -> None:
+        for tier in self._tiers:  # caches of this process only: their files go too
+            if tier is not None:
+                tier.clear()
         if self._own_spill_dir:
             shutil.rmtree(self._own_spill_dir, ignore_errors=True)
             self._own_spill_dir = None

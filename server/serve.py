@@ -93,6 +93,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the KV pool: auto is float32 on the CPU, the model's dtype elsewhere")
     e.add_argument("--spill-dir", default=None)
     e.add_argument("--no-prefix-cache", action="store_true")
+    e.add_argument("--prefix-tier-host-bytes", type=int, default=0, metavar="BYTES",
+                   help="host RAM for prefix blocks and SSM snapshots evicted from the "
+                        "device, restored on a hit (0: off)")
+    e.add_argument("--prefix-tier-disk-bytes", type=int, default=0, metavar="BYTES",
+                   help="disk (under --spill-dir) for what leaves that RAM (0: off)")
     e.add_argument("--no-pipeline", action="store_true")
     e.add_argument("--no-swap", action="store_true")
     e.add_argument("--seed", type=int, default=0)
@@ -133,7 +138,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   enable_prefix_cache=not args.no_prefix_cache,
                   enable_pipeline=not args.no_pipeline, enable_swap=not args.no_swap,
                   seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, ladders=args.ladders,
-                  parallel=ParallelConfig(args.tensor_parallel_size))
+                  parallel=ParallelConfig(args.tensor_parallel_size),
+                  prefix_tier={"host_bytes": args.prefix_tier_host_bytes,
+                               "disk_bytes": args.prefix_tier_disk_bytes})
     kwargs.update(lora_kwargs(args))
     for name in ("token", "seq", "prefill_seq", "query", "block"):
         ladder = getattr(args, f"{name}_buckets")

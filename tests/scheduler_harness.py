@@ -41,7 +41,7 @@ def make_core(*, num_blocks: int = 64, block_size: int = 4, max_batch: int = 4,
               max_seq_len: int = 64, policy: str = "fcfs", spill=None,
               spill_dir: str | None = None, max_loras: int = 0,
               rotation_hold_ticks: int = 16, sessions=None,
-              num_snapshots: int = 4, tier=None) -> SchedulerCore:
+              num_snapshots: int = 4, tier=None, prefix_tier=None) -> SchedulerCore:
     """`max_loras` > 0: LoRA on, with an `AdapterRegistry` whose loader builds
     `fake_weights` (register adapters with `add_adapter`)."""
     runner = FakeRunner(num_blocks, block_size, max_batch, has_ssm=has_ssm,
@@ -59,7 +59,7 @@ def make_core(*, num_blocks: int = 64, block_size: int = 4, max_batch: int = 4,
         clock=FakeClock(step=0.001), sink=RecordingSink(), max_seq_len=max_seq_len,
         block_size=block_size, spill=spill,
         snapshot_slots=list(range(runner.num_seq_slots, runner.num_slots)),
-        check_every_tick=True, sessions=sessions, tier=tier,
+        check_every_tick=True, sessions=sessions, tier=tier, prefix_tier=prefix_tier,
         adapters=AdapterRegistry(max_loras, fake_loader) if max_loras else None)
 
 

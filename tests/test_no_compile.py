@@ -98,7 +98,9 @@ def _warmed(model: str | None, **extra) -> LLM:
 
 @pytest.fixture(scope="module")
 def builtin():
-    llm = _warmed(None)
+    # With the prefix tier on (a small RAM level spilling to disk): its block-only and
+    # snapshot-only moves are warmed too.
+    llm = _warmed(None, prefix_tier={"host_bytes": 1 << 16, "disk_bytes": 1 << 26})
     yield llm
     llm.engine.close()
 
@@ -119,6 +121,8 @@ def test_builtin_model_compiles_nothing_after_warmup(builtin):
     # (SSM snapshot copies on this hybrid) and penalties after both.
     assert stats.get("spills", 0) > 0 and stats.get("swap_ins", 0) > 0, stats
     assert builtin.engine.core.pool.stats.prefix_hit_tokens > hits
+    offload = builtin.engine.core.memory.prefix_tier.stats
+    assert offload.blocks_stored > 0 and offload.blocks_restored > 0, offload
 
 
 def test_builtin_model_with_mtp_compiles_nothing_after_warmup():

@@ -11,8 +11,12 @@ own warmed engine so none inherits another's cache:
 Replies must be identical across the three (greedy); the result says whether they were.
 Without reuse TTFT grows with the history; the issue's bar is turn 10 / turn 1 <= 1.5 with
 sessions. The prefix part times one request over a fresh `prefix_len`-token prefix (cold),
-then another with the same prefix and a different suffix (warm, from the device tier); the
-host and disk tiers are not built, so their figures are null.
+then another with the same prefix and a different suffix (warm: the device's prefix cache);
+then unrelated prompts fill the KV pool, so the prefix's blocks and SSM snapshots are
+evicted into the prefix tier, and a third request with the prefix is timed (warm: restored
+from the tier). That runs twice, on an engine whose tier is host RAM and on one whose tier
+is disk only; each first makes sure the prefix really left the device (no cached block of
+it) and reports how many blocks the restore brought back.
 """
 
 from __future__ import annotations
@@ -64,12 +68,42 @@ def _chat(engine, session_id: str | None, messages: list[list[int]], reply_len: 
     return ttfts, replies
 
 
-def _prefix_ttft(engine, prefix: list[int], suffixes: list[list[int]]) -> dict:
-    cold, _ = _ttft(engine, prefix + suffixes[0], 1)
-    warm, _ = _ttft(engine, prefix + suffixes[1], 1)
-    return {"cold_s": round(cold, 4), "warm_device_s": round(warm, 4),
-            "warm_over_cold_device": round(warm / cold, 3),
-            "warm_host_s": None, "warm_disk_s": None}
+def _prefix_engine(model: str | None, prefix_len: int, suffix_len: int, tier: dict):
+    """A pool a little larger than the prefix, so that two fillers as long evict all of it."""
+    from metrale_jax.engine import LLMEngine
+
+    block = 16
+    blocks = (prefix_len + suffix_len) // block + 8
+    engine = LLMEngine(model, max_batch_size=1, max_seq_len=prefix_len + suffix_len + 16,
+                       max_tokens_per_tick=512, enable_swap=False, block_size=block,
+                       num_kv_blocks=blocks, prefix_tier=tier)
+    engine.runner.warmup(progress=False)
+    return engine
+
+
+def _prefix_ttft(model: str | None, prefix: list[int], suffixes: list[list[int]],
+                 fillers: list[list[int]], tier: dict) -> dict:
+    engine = _prefix_engine(model, len(prefix), len(suffixes[0]), tier)
+    try:
+        _ttft(engine, fillers[0][:len(suffixes[0]) + 16], 1)  # first-use costs, not timed
+        cold, _ = _ttft(engine, prefix + suffixes[0], 1)
+        warm, _ = _ttft(engine, prefix + suffixes[1], 1)
+        for filler in fillers:
+            _ttft(engine, filler, 1)
+        pool, offload = engine.core.memory.pool, engine.core.memory.prefix_tier
+        on_device = len(pool.peek_prefix(prefix + suffixes[2]).blocks)
+        restored = offload.stats.blocks_restored
+        tiered, _ = _ttft(engine, prefix + suffixes[2], 1)
+        return {"cold_s": round(cold, 4), "warm_device_s": round(warm, 4),
+                "warm_tier_s": round(tiered, 4),
+                "warm_over_cold_device": round(warm / cold, 3),
+                "warm_over_cold_tier": round(tiered / cold, 3),
+                "prefix_blocks_on_device_before": on_device,
+                "blocks_restored": offload.stats.blocks_restored - restored,
+                "snapshots_restored": offload.stats.snapshots_restored,
+                "tier_stats": vars(offload.tier.stats)}
+    finally:
+        engine.close()
 
 
 def sessions_benchmark(model: str | None, turns: int, turn_len: int, reply_len: int,
@@ -93,12 +127,12 @@ def sessions_benchmark(model: str | None, turns: int, turn_len: int, reply_len: 
         rows[mode] = {"ttft_s": [round(t, 4) for t in ttfts],
                       "last_over_first": round(ttfts[-1] / ttfts[0], 3)}
         engine.close()
-    prefix_engine = _engine(model, prefix_len + turn_len + 16, prefix_cache=True)
-    _ttft(prefix_engine, tokens(turn_len), 1)  # first-use costs, not timed
-    prefix = _prefix_ttft(prefix_engine, tokens(prefix_len), [tokens(turn_len),
-                                                              tokens(turn_len)])
-    prefix_engine.close()
+    prefix, suffixes = tokens(prefix_len), [tokens(turn_len) for _ in range(3)]
+    fillers = [tokens(prefix_len + turn_len) for _ in range(2)]
+    shared = {"prefix_len": prefix_len}
+    for level, tier in (("host", {"host_bytes": 4 << 30}), ("disk", {"disk_bytes": 4 << 30})):
+        shared[level] = _prefix_ttft(model, prefix, suffixes, fillers, tier)
     return {"turns": turns, "turn_len": turn_len, "reply_len": reply_len,
             "chat": rows, "replies_identical": all(replies[m] == replies["recompute"]
                                                    for m in MODES),
-            "shared_prefix": {"prefix_len": prefix_len, **prefix}}
+            "shared_prefix": shared}

@@ -9,8 +9,10 @@ Every usable KV block is in exactly one of three states:
             the same prefix can reuse it, until `allocate` or `reclaim_prefix_blocks_for`
             evicts it.
 `num_free` counts only free blocks, so it can read near zero while many blocks are
-reclaimable; `can_allocate` counts both. Queries (`can_allocate`, `match_prefix`) never
-change state; `allocate`, `acquire`, `release`, `commit_block` and the reclaim do.
+reclaimable; `can_allocate` counts both. Queries (`can_allocate`, `match_prefix`,
+`peek_prefix`, `cached_block`) never change state; `allocate`, `acquire`, `release`,
+`commit_block` and the reclaim do. A cached block evicted to be reused is first offered
+to `on_evict` (the prefix tier copies its KV off the device) while its contents are intact.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class IntegrityError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class _Entry:
+class BlockKey:
     """A cached block's full key, compared on a hit so a digest collision is only a miss."""
     block_hash: BlockHash
     parent_hash: BlockHash
@@ -77,9 +79,12 @@ class BlockPool:
         # Popped from the end, so low ids are handed out first (easier to read in tests).
         self._free: list[int] = list(range(self.num_blocks - 1, 0, -1))
         self._refs: list[int] = [0] * self.num_blocks
-        self._entries: dict[int, _Entry] = {}        # block -> key, cached or used
+        self._entries: dict[int, BlockKey] = {}        # block -> key, cached or used
         self._by_hash: dict[BlockHash, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, first out first
+        # Called with each batch of evicted (block, key) pairs before the blocks are
+        # handed on (None: evicted contents are gone).
+        self.on_evict: Callable[[list[tuple[int, BlockKey]]], None] | None = None
 
     # -- counts -------------------------------------------------------------------------
 
@@ -112,7 +117,7 @@ class BlockPool:
         from_free = min(n, self.num_free)
         taken = self._free[self.num_free - from_free:][::-1]
         del self._free[self.num_free - from_free:]
-        taken += [self._evict(next(iter(self._lru))) for _ in range(n - from_free)]
+        taken += self._evict_offered(itertools.islice(self._lru, n - from_free))
         for block in taken:
             self._refs[block] = 1
         return taken
@@ -165,7 +170,7 @@ class BlockPool:
         self._check_id(block)
         if self._refs[block] == 0:
             raise ValueError(f"commit_block: block {block} is not held by any table")
-        entry = _Entry(block_hash, parent_hash, tokens, adapter_id)
+        entry = BlockKey(block_hash, parent_hash, tokens, adapter_id)
         old = self._entries.get(block)
         if old is not None and old != entry:
             raise ValueError(f"commit_block: block {block} was committed with other tokens; "
@@ -189,6 +194,10 @@ class BlockPool:
         self.stats.prefix_hit_tokens += match.num_tokens
         return match
 
+    def peek_prefix(self, tokens: Sequence[int], adapter_id: int = 0) -> PrefixMatch:
+        """What `match_prefix` would find on the device, without counting a query."""
+        return self._match(tokens, adapter_id, None)
+
     def reclaim_prefix_blocks_for(self, reused_tokens: Sequence[int], adapter_id: int,
                                   min_blocks: int,
                                   usable: Callable[[BlockHash], bool] | None = None) -> Reclaim:
@@ -204,7 +213,7 @@ class BlockPool:
         spared = set(match.blocks)
         victims = itertools.islice((b for b in self._lru if b not in spared),
                                    max(0, target - self.num_free))
-        evicted = [self._evict(block) for block in list(victims)]
+        evicted = self._evict_offered(victims)
         self._free.extend(evicted)
         return Reclaim(target, len(evicted), match.blocks)
 
@@ -225,7 +234,7 @@ class BlockPool:
                 chunk = tuple(int(t) for t in tokens[start:start + bs])
                 block_hash = prefix_hash.hash_block(parent, chunk, adapter_id)
                 block = self._by_hash.get(block_hash)
-                if block is None or self._entries[block] != _Entry(block_hash, parent, chunk,
+                if block is None or self._entries[block] != BlockKey(block_hash, parent, chunk,
                                                                     adapter_id):
                     break
                 blocks.append(block)
@@ -235,6 +244,21 @@ class BlockPool:
             blocks.pop()
             hashes.pop()
         return PrefixMatch(blocks, hashes, len(blocks) * self.block_size)
+
+    def cached_block(self, block_hash: BlockHash, key: BlockKey) -> int | None:
+        """The block holding exactly `key` (cached or used), if any."""
+        block = self._by_hash.get(block_hash) if self.enable_prefix_cache else None
+        return block if block is not None and self._entries[block] == key else None
+
+    def _evict_offered(self, blocks) -> list[int]:
+        """Evict `blocks` (an iterable over the LRU: materialised first), offering them
+        and their keys to `on_evict` before anyone can write to them."""
+        blocks = list(blocks)
+        keys = [self._entries[b] for b in blocks]
+        evicted = [self._evict(block) for block in blocks]
+        if self.on_evict is not None and evicted:
+            self.on_evict(list(zip(evicted, keys)))
+        return evicted
 
     def _evict(self, block: int) -> int:
         """Forgets an unreferenced cached block's hash; the caller hands the block on."""

@@ -76,8 +76,12 @@ class SpillBackend(Protocol):
 class SpillStore:
     """Spill file sets in one directory, owned by one engine."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, durable: bool = True):
         self.directory = Path(directory)
+        # False: no fsync. For stores nothing reads after this process (the state tiers,
+        # caches of what can be recomputed): atomic renames and checksums still hold, a
+        # power loss only loses the cache.
+        self.durable = durable
         self.directory.mkdir(parents=True, exist_ok=True)
         self._sweep_orphans()
 
@@ -95,7 +99,8 @@ class SpillStore:
                        for name, a in arrays.items()]
             manifest = {"format": _FORMAT, "key": key, "meta": meta, "arrays": entries}
             self._write_atomic(self._manifest(key), json.dumps(manifest).encode(), written)
-            _fsync_dir(self.directory)
+            if self.durable:
+                _fsync_dir(self.directory)
         except OSError as e:
             self._unlink_all(written)
             raise SpillWriteError(f"spill {key!r}: could not write to {self.directory}: {e}") from e
@@ -120,7 +125,8 @@ class SpillStore:
                 digest.update(chunk)
                 f.write(chunk)
             f.flush()
-            os.fsync(f.fileno())
+            if self.durable:
+                os.fsync(f.fileno())
         written.append(final)
         os.replace(tmp, final)
         return {"name": name, "file": final.name, "shape": list(a.shape), "dtype": str(a.dtype),
@@ -132,7 +138,8 @@ class SpillStore:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if self.durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)  # the manifest is not in `written`: once it lands, we succeeded
 
     # -- read ----------------------------------------------------------------------------

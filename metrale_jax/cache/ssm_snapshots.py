@@ -16,13 +16,14 @@ Every slot is in exactly one of these states:
              (off the block grid) for its next turn. `drop_held` frees it.
   cached  -- keyed by a block hash, in the LRU; taking a slot evicts the least recent one.
 Queries (`__contains__`, `held_at`, `held_slot`, counts) never change state; `lookup` only
-refreshes the LRU order.
+refreshes the LRU order. A cached snapshot evicted to free its slot is first offered to
+`on_evict` (the prefix tier copies it off the device), while the slot still holds it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 
 class SnapshotPool:
@@ -33,6 +34,8 @@ class SnapshotPool:
         self._by_hash: OrderedDict[bytes, int] = OrderedDict()  # cached, LRU order
         self._held: dict[Hashable, tuple[int, int]] = {}         # owner -> (slot, position)
         self.evictions = 0
+        # Called with (block hash, slot) of an evicted snapshot before the slot is reused.
+        self.on_evict: Callable[[bytes, int], None] | None = None
 
     # ---- queries ------------------------------------------------------------------------
 
@@ -122,7 +125,10 @@ class SnapshotPool:
         if not self._by_hash:
             return None
         self.evictions += 1
-        return self._by_hash.popitem(last=False)[1]
+        block_hash, slot = self._by_hash.popitem(last=False)
+        if self.on_evict is not None:
+            self.on_evict(block_hash, slot)
+        return slot
 
     # ---- integrity ----------------------------------------------------------------------
 

@@ -6,7 +6,9 @@ Entries live in host RAM up to `host_bytes`, least recently used first out; what
 RAM is written to disk through the spill store (atomic, checksummed file sets) up to
 `disk_bytes`, least recently used first deleted. `take` hands an entry back and forgets it;
 a file found corrupt, truncated or missing is a miss (counted), never an error for the
-request, which then computes what it needs. A budget of 0 turns that level off.
+request, which then computes what it needs. A budget of 0 turns that level off. An entry
+the budgets push out of the last level is announced to `on_drop` (its owner's index
+forgets it); the entry being `put` is not: `put` returns False for it.
 
 Every entry is in exactly one place: in `_host` (bytes counted in `host_used`) or in
 `_disk` (its file set in the store, bytes in `disk_used`); `check_integrity` verifies both
@@ -18,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -46,6 +48,7 @@ class StateTier:
         self._host: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()
         self._disk: OrderedDict[str, tuple[SpillHandle, int]] = OrderedDict()
         self.host_used = self.disk_used = 0
+        self.on_drop: Callable[[str], None] | None = None
 
     # ---- queries ------------------------------------------------------------------------
 
@@ -73,7 +76,8 @@ class StateTier:
             while self.host_used > self.host_bytes:  # the oldest leave RAM for the disk
                 old, old_arrays = self._host.popitem(last=False)
                 self.host_used -= _nbytes(old_arrays)
-                self._to_disk(old, old_arrays)
+                if not self._to_disk(old, old_arrays):
+                    self._announce(old)
             return key in self
         return self._to_disk(key, arrays)
 
@@ -107,16 +111,23 @@ class StateTier:
             self.disk_used -= nbytes
             self.store.remove(handle)
 
+    def clear(self) -> None:
+        """Forget every entry and remove its files (the engine is closing: nothing will
+        read them)."""
+        for key in list(self._host) + list(self._disk):
+            self.drop(key)
+
     def _to_disk(self, key: str, arrays: dict[str, np.ndarray]) -> bool:
         nbytes = _nbytes(arrays)
         if nbytes > self.disk_bytes:
             self.stats.dropped += 1
             return False
         while self.disk_used + nbytes > self.disk_bytes:
-            _, (handle, size) = self._disk.popitem(last=False)
+            old, (handle, size) = self._disk.popitem(last=False)
             self.disk_used -= size
             self.store.remove(handle)
             self.stats.dropped += 1
+            self._announce(old)
         try:
             handle = self.store.write(key, arrays, {"tier": True})
         except (SpillError, OSError) as err:
@@ -126,6 +137,10 @@ class StateTier:
         self._disk[key], self.disk_used = (handle, nbytes), self.disk_used + nbytes
         self.stats.to_disk += 1
         return True
+
+    def _announce(self, key: str) -> None:
+        if self.on_drop is not None:
+            self.on_drop(key)
 
     # ---- integrity ----------------------------------------------------------------------
 

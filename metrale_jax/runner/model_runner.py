@@ -323,10 +323,15 @@ class ModelRunner:
             self.counter.record(("write_lora",))
             a, b = slot_arrays(self.model_config, self.engine.lora, None)
             self.lora_slots = self._write_lora(self.lora_slots, np.int32(self.max_loras), a, b)
-        self.caches, buckets = warm_buckets(self.caches, self.engine.max_blocks_per_seq,
-                                            with_state=self.has_ssm, placement=self.placement)
-        for b in buckets:
-            self.counter.record(("swap", b, self.has_ssm))
+        # Spills and session tails move a hybrid's state with its blocks; the prefix tier
+        # also moves blocks alone.
+        states = {self.has_ssm} | ({False} if self.engine.prefix_tier.enabled else set())
+        for with_state in sorted(states):
+            self.caches, buckets = warm_buckets(self.caches, self.engine.max_blocks_per_seq,
+                                                with_state=with_state,
+                                                placement=self.placement)
+            for b in buckets:
+                self.counter.record(("swap", b, with_state))
         jax.block_until_ready((self.caches, self.tables, self.lora_slots))
 
     def warmup_shapes(self) -> list[StepShape]:

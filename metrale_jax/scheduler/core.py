@@ -19,6 +19,7 @@ import logging
 
 from metrale_jax.cache.spill import SpillBackend
 from metrale_jax.cache.tiers import StateTier
+from metrale_jax.scheduler.prefix_tier import PrefixTier
 from metrale_jax.lora.registry import AdapterRegistry
 from metrale_jax.request import Request
 from metrale_jax.scheduler import phases
@@ -48,7 +49,8 @@ class SchedulerCore:
                  spill: SpillBackend | None = None, snapshot_slots: list[int] | None = None,
                  check_every_tick: bool = False, gate: MtpGate | None = None,
                  adapters: AdapterRegistry | None = None,
-                 sessions: SessionConfig | None = None, tier: StateTier | None = None):
+                 sessions: SessionConfig | None = None, tier: StateTier | None = None,
+                 prefix_tier: StateTier | None = None):
         self.runner, self.levers, self.policy = runner, levers, policy
         # Speculative decoding: the gate picks the plain or the speculative step per tick.
         self.gate = gate
@@ -66,6 +68,9 @@ class SchedulerCore:
         self.sessions = Sessions(sessions or SessionConfig(), self.memory, clock, self.tel,
                                  runner=runner, tier=tier)
         self.memory.pins = self.sessions
+        # Evicted prefix blocks and SSM snapshots go to `prefix_tier` and come back on a hit.
+        if prefix_tier is not None and prefix_tier.enabled:
+            self.memory.attach_tier(PrefixTier(prefix_tier, runner))
         self.parking = Parking(runner=runner, memory=self.memory, spill=spill, tel=self.tel,
                                clock=clock)
         self.inbox = Inbox()

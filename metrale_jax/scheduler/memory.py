@@ -2,8 +2,9 @@
 sequence does with them (reuse a cached prefix, grow its table, commit full blocks to the
 prefix cache, snapshot its SSM state at a block boundary, give everything back).
 
-Host bookkeeping only: the one device effect, copying SSM state between slots, goes through
-the `copy_slots` the runner provides (ordered after every step already dispatched).
+Host bookkeeping only: the device effects, copying SSM state between slots and (with a
+prefix tier) moving evicted blocks and snapshots off the device and back, go through the
+runner (ordered after every step already dispatched).
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence as Seq
 from typing import Protocol
 
-from metrale_jax.cache.block_pool import BlockPool, SlotPool
-from metrale_jax.cache.prefix_hash import ROOT_HASH
+from metrale_jax.cache.block_pool import BlockKey, BlockPool, PrefixMatch, SlotPool
+from metrale_jax.cache.prefix_hash import ROOT_HASH, hash_block
 from metrale_jax.cache.ssm_snapshots import SnapshotPool
+from metrale_jax.scheduler.prefix_tier import PrefixTier
 from metrale_jax.sequence import Sequence
 
 
@@ -47,6 +49,19 @@ class Memory:
         # What holds blocks besides sequences and gives them back under pressure (the
         # scheduler's `Sessions`); None: nothing does.
         self.pins: Pins | None = None
+        # Where evicted prefix blocks and snapshots go, and come back from (None: gone).
+        self.prefix_tier: PrefixTier | None = None
+
+    def attach_tier(self, tier: PrefixTier) -> None:
+        """Evicted cached blocks and SSM snapshots are copied into `tier` from now on."""
+        self.prefix_tier = tier
+        self.pool.on_evict = tier.store_blocks
+        if self.has_ssm:
+            self.snapshots.on_evict = self._store_snapshot
+
+    def _store_snapshot(self, block_hash: bytes, slot: int) -> None:
+        self.flush_copies()  # a copy queued into this slot lands before it is read
+        self.prefix_tier.store_snapshot(block_hash, slot)
 
     # ---- queries ------------------------------------------------------------------------
 
@@ -84,6 +99,9 @@ class Memory:
         if not reuse_prefix or (self.pins is not None and self.pins.take_tail(seq)):
             return
         match = self.pool.match_prefix(seq.prompt_ids, seq.adapter_id, self._snapshot_usable())
+        if self.prefix_tier is not None and len(self.prefix_tier) and \
+                self._admit_from_tier(seq, match):
+            return
         if not match.blocks:
             return
         self.pool.acquire(match.blocks)
@@ -92,6 +110,96 @@ class Memory:
         seq.num_computed = match.num_tokens
         if self.has_ssm:
             self._copy_slots([self.snapshots.lookup(match.hashes[-1])], [seq.slot])
+
+    # ---- the prefix tier -----------------------------------------------------------------
+
+    def _admit_from_tier(self, seq: Sequence, match: PrefixMatch) -> bool:
+        """Extend the device's prefix hit with blocks (and, on a hybrid, the snapshot at
+        its end) from the prefix tier; False when the tier adds nothing or no room can be
+        made (the device's hit is then used as it is). An entry found unreadable is gone
+        from the tier: the walk is redone without it."""
+        while True:
+            chain = self._tier_chain(seq)
+            end = self._restorable(chain)
+            if end * self.block_size <= match.num_tokens:
+                return False
+            done = self._restore(seq, chain[:end], match.num_tokens)
+            if done is not None:
+                return done
+
+    def _tier_chain(self, seq: Sequence) -> list[tuple[BlockKey, int | None]]:
+        """The prompt's full blocks (one token is always left to compute) found on the
+        device (the block id) or in the tier (None), in order, up to the first in neither."""
+        bs, tokens, parent = self.block_size, seq.prompt_ids, ROOT_HASH
+        chain: list[tuple[BlockKey, int | None]] = []
+        for start in range(0, max(len(tokens) - 1, 0) // bs * bs, bs):
+            chunk = tuple(int(t) for t in tokens[start:start + bs])
+            key = BlockKey(hash_block(parent, chunk, seq.adapter_id), parent, chunk,
+                           seq.adapter_id)
+            block = self.pool.cached_block(key.block_hash, key)
+            if block is None and not self.prefix_tier.has_block(key.block_hash, key):
+                break
+            chain.append((key, block))
+            parent = key.block_hash
+        return chain
+
+    def _restorable(self, chain: list[tuple[BlockKey, int | None]]) -> int:
+        """How many blocks of `chain` a restore can use: all of them, or on a hybrid up to
+        the last one with an SSM snapshot (on the device or in the tier)."""
+        if not self.has_ssm:
+            return len(chain)
+        for end in range(len(chain), 0, -1):
+            block_hash = chain[end - 1][0].block_hash
+            if block_hash in self.snapshots or self.prefix_tier.has_snapshot(block_hash):
+                return end
+        return 0
+
+    def _restore(self, seq: Sequence, chain: list[tuple[BlockKey, int | None]],
+                 device_hit: int) -> bool | None:
+        """Admit `seq` on `chain`: its device blocks shared, its stored ones scattered into
+        fresh blocks and committed again, the SSM state at its end copied into the
+        sequence's slot. None: an entry was unreadable (walk again); False: no room."""
+        tier, end_hash = self.prefix_tier, chain[-1][0].block_hash
+        on_device = [block for _, block in chain if block is not None]
+        stored = [key for key, block in chain if block is None]
+        self.pool.acquire(on_device)  # so making room below cannot evict them
+        snapshot = None
+        if self.has_ssm and end_hash not in self.snapshots:
+            snapshot = tier.take_snapshot(end_hash)
+            if snapshot is None:
+                self.pool.release(on_device)
+                return None
+        pieces = tier.take_blocks(stored) if stored else []
+        if pieces is None or not self.make_room(len(stored)):
+            if snapshot is not None:
+                tier.put_snapshot(end_hash, snapshot)
+            if pieces:
+                tier.put_blocks(stored, pieces)
+            self.pool.release(on_device)
+            return None if pieces is None else False
+        fresh = self.pool.allocate(len(stored))
+        if fresh or snapshot is not None:
+            tier.runner.scatter(PrefixTier.stack(pieces, snapshot), fresh,
+                                seq.slot if snapshot is not None else None)
+        table, taken = [], iter(fresh)
+        for key, block in chain:
+            if block is None:
+                block = next(taken)
+                self.pool.commit_block(block, key.parent_hash, key.tokens, key.adapter_id)
+            table.append(block)
+        if self.has_ssm:
+            if snapshot is None:
+                self._copy_slots([self.snapshots.lookup(end_hash)], [seq.slot])
+            else:  # the state is the device's again: keep it matchable there
+                slot = self.snapshots.reserve(end_hash)
+                if slot is not None:
+                    self._copy_slots([seq.slot], [slot])
+        seq.block_table, seq.block_hashes = table, [key.block_hash for key, _ in chain]
+        seq.num_computed = len(chain) * self.block_size
+        tier.count_restore(len(stored), snapshot is not None,
+                           seq.num_computed - device_hit)
+        self.pool.stats.prefix_hit_tokens += seq.num_computed - device_hit
+        return True
 
     def adopt_tail(self, seq: Sequence, tail, owner) -> None:
         """Admission from a session's tail: the sequence takes over its block references
@@ -245,5 +353,7 @@ class Memory:
             raise AssertionError(f"SSM slots out of balance: held {sorted(held)}, "
                                  f"{self.slots.num_free} free of {self.slots.num_slots - 1}")
         self.snapshots.check_integrity(owners)
+        if self.prefix_tier is not None:
+            self.prefix_tier.check_integrity()
         if self._copies:
             raise AssertionError(f"snapshot copies queued and never run: {self._copies}")

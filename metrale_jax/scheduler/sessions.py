@@ -93,6 +93,8 @@ class Sessions:
         # The second tier (None or a disabled one: a tail leaving the device is gone).
         self.runner = runner
         self.tier = tier if tier is not None and tier.enabled and runner is not None else None
+        if self.tier is not None:
+            self.tier.on_drop = self._tier_dropped
         self._open: OrderedDict[str, Session] = OrderedDict()  # least recently used first
 
     # ---- queries ------------------------------------------------------------------------
@@ -278,6 +280,14 @@ class Sessions:
         session.tail = dataclasses.replace(tail, blocks=[], hashes=[], stored=True)
         self.tel.count("session_tails_stored")
         return True
+
+    def _tier_dropped(self, key: str) -> None:
+        """The tier's budgets pushed a stored tail out: its session has no tail any more."""
+        for session in self._open.values():
+            if session.tail and session.tail.stored and _tier_key(session.session_id) == key:
+                session.tail = None
+                self.tel.count("session_tails_dropped")
+                return
 
     def drop_tails(self) -> None:
         """The device caches were lost: device tails hold nothing any more (sessions stay
