@@ -105,6 +105,9 @@ class _QueueSink:
 
 
 class AsyncLLM:
+    # Engines behind this door: one (`DataParallelAsyncLLM` has M, with the same surface).
+    data_parallel_size = 1
+
     def __init__(self, model: str | None = None, **kwargs):
         self._sink = _QueueSink()
         self.engine = LLMEngine(model, sink=self._sink, **kwargs)

@@ -12,8 +12,18 @@ from server.protocol import APIError
 
 async def snapshot(request: web.Request) -> web.Response:
     """The latest snapshot the engine thread published (every tick, and again before it
-    waits idle, so it is current while the engine idles), with its derived counts."""
+    waits idle, so it is current while the engine idles), with its derived counts. Data
+    parallel: the engines' totals, then each engine's own under `engines` and the router's
+    in-flight count per engine under `router_loads`."""
     llm = request.app[STATE].llm
+    body = _snapshot_body(llm)
+    if llm.data_parallel_size > 1:
+        body["engines"] = [_snapshot_body(e) for e in llm.engines]
+        body["router_loads"] = llm.router.loads
+    return web.json_response(body)
+
+
+def _snapshot_body(llm) -> dict:
     snap = llm.snapshot()
     stats = llm.stats()
     now = None
@@ -21,12 +31,12 @@ async def snapshot(request: web.Request) -> web.Response:
         now = {"kv_blocks_free": snap.kv_blocks_free, "kv_blocks_cached": snap.kv_blocks_cached,
                "kv_blocks_used": snap.kv_blocks_used, "kv_blocks_usable": snap.kv_blocks_total,
                "requests_in_engine": snap.requests_len}
-    return web.json_response({
+    return {
         "snapshot": snap.as_dict() if snap is not None else None,
         "now": now,
         "counters": stats["counters"],
         "compiled_variants": stats["compiled_variants"],
-    })
+    }
 
 
 async def get_levers(request: web.Request) -> web.Response:

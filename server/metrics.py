@@ -5,6 +5,11 @@ waits idle, plus its thread-safe telemetry: tick-phase timings, spill counters, 
 variants) is read through `AsyncLLM` when `/metrics` is scraped, by a custom collector;
 request timings (TTFT, time per output token, end-to-end, queue time) and token
 counts are observed by the server as deltas arrive, so the engine thread never waits on them.
+
+Data parallel (`--data-parallel-size` M > 1): every engine-level sample carries an `engine`
+label, "0" .. "M-1" for each engine and "total" for the engines together (counts and gauges
+summed, ratios from the summed counts: `DataParallelCollector`); the request-level metrics
+are the server's own and stay unlabelled.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Metric,
                                     SummaryMetricFamily)
 
 # vLLM's buckets (seconds).
@@ -176,10 +181,41 @@ class EngineCollector:
         yield summary
 
 
+class DataParallelCollector:
+    """M engines' metrics as one family per name: each engine's samples labelled with its
+    index, and the totals (an `EngineCollector` over the group's summed snapshot and
+    stats) labelled "total"."""
+
+    def __init__(self, group, model_name: str):
+        self.parts = [("total", EngineCollector(group, model_name))] + [
+            (str(i), EngineCollector(e, model_name)) for i, e in enumerate(group.engines)]
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        for engine, collector in self.parts:
+            for family in collector.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation,
+                                                            family.type)
+                for s in family.samples:
+                    merged.add_sample(s.name, {**s.labels, "engine": engine}, s.value,
+                                      s.timestamp, s.exemplar)
+        yield from families.values()
+
+
+def engine_collector(llm, model_name: str):
+    """An `EngineCollector`, or for M > 1 engines a `DataParallelCollector` (an engine
+    that does not say how many it is, as the tests' stand-ins, is one)."""
+    if getattr(llm, "data_parallel_size", 1) > 1:
+        return DataParallelCollector(llm, model_name)
+    return EngineCollector(llm, model_name)
+
+
 class ServerMetrics:
     def __init__(self, llm, model_name: str):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(llm, model_name))
+        self.registry.register(engine_collector(llm, model_name))
         labels = ["model_name"]
         self.model = model_name
 

@@ -304,6 +304,9 @@ def _endpoint_schemas(limits: P.Limits) -> dict:
     snapshot = _dataclass_schema(SchedulerSnapshot)
     now = _obj({k: _int(0) for k in ("kv_blocks_free", "kv_blocks_cached", "kv_blocks_used",
                                      "kv_blocks_usable", "requests_in_engine")})
+    one_engine = {"snapshot": _null(snapshot), "now": _null(now),
+                  "counters": {"type": "object"}, "compiled_variants": _int(0)}
+    required = ("snapshot", "now", "counters", "compiled_variants")
     levers = _dataclass_schema(LeverValues)
     for name, spec in levers["properties"].items():  # the checks of Levers._validated
         if spec["type"] == "integer":
@@ -325,9 +328,10 @@ def _endpoint_schemas(limits: P.Limits) -> dict:
                         "error": STR}, ("status",)),
         "ModelList": _obj({"object": {"const": "list"}, "data": _arr(model)},
                           ("object", "data")),
-        "AdminSnapshot": _obj({"snapshot": _null(snapshot), "now": _null(now),
-                               "counters": {"type": "object"}, "compiled_variants": _int(0)},
-                              ("snapshot", "now", "counters", "compiled_variants")),
+        "AdminSnapshot": _obj({**one_engine, "engines": _arr(_obj(one_engine, required)),
+                               "router_loads": _arr(_int(0))}, required,
+                              description="data parallel: the totals, and each engine's own "
+                                          "under engines"),
         "Levers": levers,
         "LoadLoraAdapterRequest": _obj(
             {"lora_name": {"type": "string", "minLength": 1},

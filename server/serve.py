@@ -84,6 +84,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="split the model over this many devices (a mesh axis 'tp'); it must "
                         "divide the attention and Mamba2 head counts. On the CPU, simulate "
                         "devices with XLA_FLAGS=--xla_force_host_platform_device_count=N")
+    e.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="run this many engines behind one server, each on its own group of "
+                        "--tensor-parallel-size devices with its own tick loop; requests go "
+                        "where their prompt's prefix went (sessions stay on one engine). "
+                        "LoRA load/unload apply to every engine")
     e.add_argument("--structured-outputs-backend", choices=("llguidance", "xgrammar"),
                    default="llguidance", help="grammar engine of structured outputs "
                    "(xgrammar: pip install 'metrale-jax[grammar-xgrammar]')")
@@ -138,7 +143,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   enable_prefix_cache=not args.no_prefix_cache,
                   enable_pipeline=not args.no_pipeline, enable_swap=not args.no_swap,
                   seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, ladders=args.ladders,
-                  parallel=ParallelConfig(args.tensor_parallel_size),
+                  parallel=ParallelConfig(args.tensor_parallel_size, args.data_parallel_size),
                   prefix_tier={"host_bytes": args.prefix_tier_host_bytes,
                                "disk_bytes": args.prefix_tier_disk_bytes})
     kwargs.update(lora_kwargs(args))
@@ -161,6 +166,26 @@ def lora_kwargs(args: argparse.Namespace) -> dict:
         return {}
     return {"enable_lora": True, "max_loras": args.max_loras,
             "max_lora_rank": args.max_lora_rank}
+
+
+def build_engine(args: argparse.Namespace):
+    """One `AsyncLLM`, or with --data-parallel-size M > 1 a `DataParallelAsyncLLM` of M
+    (the same surface). A parallel setting that cannot hold (M < 1, more devices than the
+    process sees) exits naming the count, before a model loads."""
+    from metrale_jax.parallel.config import ParallelConfigError
+
+    try:
+        kwargs = dict(dtype=args.dtype, speculative_config=speculative_arg(args),
+                      **engine_kwargs(args))
+        if kwargs["parallel"].dp == 1:
+            from metrale_jax.async_engine import AsyncLLM
+
+            return AsyncLLM(args.model, **kwargs)
+        from metrale_jax.parallel.async_data_parallel import DataParallelAsyncLLM
+
+        return DataParallelAsyncLLM(args.model, **kwargs)
+    except ParallelConfigError as err:
+        raise SystemExit(f"metrale serve: {err}") from None
 
 
 def speculative_arg(args: argparse.Namespace) -> str | None:
@@ -200,14 +225,12 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> int:
 
     from aiohttp import web
 
-    from metrale_jax.async_engine import AsyncLLM
     from metrale_jax.lora.weights import LoraError
     from server.app import create_app
     from server.openai_routes import STATE
     from server.state import ServerConfig
 
-    llm = AsyncLLM(args.model, dtype=args.dtype, speculative_config=speculative_arg(args),
-                   **engine_kwargs(args))
+    llm = build_engine(args)
     config = ServerConfig(served_model_names=tuple(args.served_model_name or ()),
                           api_key=api_key, max_waiting=args.max_waiting,
                           max_body_bytes=args.max_body_bytes, lora_dir=args.lora_dir)
@@ -233,9 +256,10 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> int:
     await asyncio.to_thread(llm.warmup)
     llm.start()
     state.status = "ok"
+    engines = f", {llm.data_parallel_size} engines" if llm.data_parallel_size > 1 else ""
     logger.info("metrale is ready: serving %s as %s on %s (warm-up %.1f s, %d compiled "
-                "variants%s)", llm.limits.model_name, list(state.limits.model_names), url,
-                time.monotonic() - t0, llm.stats()["compiled_variants"],
+                "variants%s%s)", llm.limits.model_name, list(state.limits.model_names), url,
+                time.monotonic() - t0, llm.stats()["compiled_variants"], engines,
                 ", API key required" if api_key else "")
     await stop.wait()
     state.status = "draining" if state.status == "ok" else state.status

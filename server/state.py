@@ -1,4 +1,5 @@
-"""What one server holds: the engine, its lifecycle status, in-flight accounting, metrics.
+"""What one server holds: the engine (an `AsyncLLM`, or a `DataParallelAsyncLLM` with the same
+surface), its lifecycle status, in-flight accounting, metrics.
 
 Status: "starting" (warming up) -> "ok" -> "draining" (SIGTERM: no new work) or
 "unhealthy" (the engine thread died: every open request is answered with a 5xx).
@@ -81,8 +82,10 @@ class ServerState:
     # ---- admission --------------------------------------------------------------------------
 
     def admit(self, num_seqs: int) -> None:
-        """The waiting cap: sequences beyond the running batch, at most max_waiting."""
-        cap = self.llm.levers.get().max_batch_size + self.config.max_waiting
+        """The waiting cap: sequences beyond the running batches (one per engine), at most
+        max_waiting."""
+        batch = self.llm.levers.get().max_batch_size * self.llm.data_parallel_size
+        cap = batch + self.config.max_waiting
         if self.open_seqs + num_seqs > cap:
             raise APIError(429, f"too many requests waiting: {self.open_seqs} sequences "
                                 f"in flight, the cap is {cap}; retry later",

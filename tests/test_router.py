@@ -85,3 +85,19 @@ def test_affinity_hits_the_prefix_cache_far_more_than_round_robin():
     affinity, round_robin = _hit_rate(PrefixAffinityRouter), _hit_rate(RoundRobinRouter)
     print(f"prefix-cache hit rate: affinity {affinity:.2f}, round robin {round_robin:.2f}")
     assert affinity > 0.6 and affinity > 2 * round_robin
+
+
+def test_assign_counts_a_request_sent_by_the_caller_and_owner_finds_it():
+    """A session's next turn goes where the session lives (`assign`): it counts in that
+    engine's load and leaves its prefix there; `owner` names an in-flight request's engine."""
+    router = PrefixAffinityRouter(RouterConfig(num_engines=2, block_size=4))
+    prompt = list(range(8))
+    assert router.assign("s1", prompt, 1) == 1 and router.loads == [0, 1]
+    assert router.owner("s1") == 1 and router.owner("nope") is None
+    assert router.route("2", prompt + [9]) == 1    # the prefix assign left there
+    with pytest.raises(ValueError, match="already routed"):
+        router.assign("s1", prompt, 0)
+    with pytest.raises(ValueError, match="engine: 2"):
+        router.assign("3", prompt, 2)
+    router.finished("s1")
+    assert router.owner("s1") is None and router.loads == [0, 1]

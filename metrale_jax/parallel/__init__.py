@@ -7,6 +7,8 @@
   `device_groups`: each data-parallel engine's devices.
 * `router.py`  — data parallel: the prefix-affinity router (host only, no jax).
 * `data_parallel.py` — `DataParallelLLM`: M engines behind the router (offline API).
+* `async_data_parallel.py` — `DataParallelAsyncLLM`: M `AsyncLLM`s behind the router, with
+  one `AsyncLLM`'s surface (`metrale serve --data-parallel-size`).
 
 Tensor parallelism of size 1 builds none of this: the runner's single-device path is
 unchanged. This `__init__` imports nothing, so `metrale_jax.config` can import

@@ -63,13 +63,29 @@ class PrefixAffinityRouter:
     def route(self, request_id: str, prompt_ids: Sequence[int], salt: str | None = None,
               ) -> int:
         """The engine for a new request; counted as in flight there until `finished`."""
-        if request_id in self._owner:
-            raise ValueError(f"request_id: {request_id!r} is already routed")
         hashes = block_hashes(prompt_ids, self.config.block_size, salt)
         least = min(range(len(self._load)), key=self._load.__getitem__)
         engine, matched = self._longest_prefix(hashes)
         if matched == 0 or self._load[engine] - self._load[least] > self.config.max_imbalance:
             engine = least
+        return self._place(request_id, engine, hashes)
+
+    def assign(self, request_id: str, prompt_ids: Sequence[int], engine: int,
+               salt: str | None = None) -> int:
+        """Count a request the caller sent to `engine` itself (a session's next turn goes
+        where the session lives) as routed there: its load and its prefix."""
+        if not 0 <= engine < self.config.num_engines:
+            raise ValueError(f"engine: {engine} is not in [0, {self.config.num_engines})")
+        return self._place(request_id, engine,
+                           block_hashes(prompt_ids, self.config.block_size, salt))
+
+    def owner(self, request_id: str) -> int | None:
+        """The engine of an in-flight request (None once finished, or never routed)."""
+        return self._owner.get(request_id)
+
+    def _place(self, request_id: str, engine: int, hashes: list[int]) -> int:
+        if request_id in self._owner:
+            raise ValueError(f"request_id: {request_id!r} is already routed")
         self._remember(engine, hashes)
         self._load[engine] += 1
         self._owner[request_id] = engine
@@ -115,6 +131,9 @@ class RoundRobinRouter:
         self._next = (self._next + 1) % self.config.num_engines
         self._owner[request_id] = engine
         return engine
+
+    def owner(self, request_id: str) -> int | None:
+        return self._owner.get(request_id)
 
     def finished(self, request_id: str) -> None:
         self._owner.pop(request_id, None)
