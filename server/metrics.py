@@ -61,6 +61,7 @@ class EngineCollector:
                                            "them (running sequences recomputed).")):
             yield self._counter(f"metrale:num_{name}", doc, counters.get(name, 0))
         yield from self._sessions(counters)
+        yield from self._prefix_tier(counters)
         yield from self._spec_decode(counters)
         yield from self._phases(stats["phases"])
         yield self._gauge("metrale:compiled_variants",
@@ -84,6 +85,17 @@ class EngineCollector:
                           ("session_tier_misses", "Stored tails found unreadable or gone "
                                                   "(the turn computed instead).")):
             yield self._counter(f"metrale:{name}", doc, counters.get(name, 0))
+
+    def _prefix_tier(self, counters: dict):
+        """What the prefix tier (host RAM / disk) took from the device and gave back."""
+        for name, doc in (("blocks_stored", "Evicted prefix blocks copied to the tier."),
+                          ("snapshots_stored", "Evicted SSM snapshots copied to the tier."),
+                          ("blocks_restored", "Blocks brought back for a prefix hit."),
+                          ("snapshots_restored", "SSM snapshots brought back for a hit."),
+                          ("hit_tokens", "Prompt tokens those restores did not compute."),
+                          ("misses", "Tier entries found unreadable or gone when wanted.")):
+            yield self._counter(f"metrale:prefix_tier_{name}", doc,
+                                counters.get(f"prefix_tier_{name}", 0))
 
     def _spec_decode(self, counters: dict):
         """Speculative decoding, shaped like vLLM's `vllm:spec_decode_*` counters."""

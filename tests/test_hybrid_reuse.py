@@ -112,6 +112,9 @@ configs = st.fixed_dictionaries({
     # The second tier for tails leaving the device: off, RAM, disk, disk with every file
     # corrupted as soon as it is written.
     "tier": st.sampled_from(["off", "host", "disk", "corrupt"]),
+    # The prefix tier for evicted prefix blocks and snapshots (its files are corrupted too
+    # when "tier" is "corrupt").
+    "prefix_tier": st.sampled_from(["off", "host", "disk"]),
 })
 
 # A turn: (new message, max_tokens, whether the next turn keeps this reply in its history).
@@ -136,11 +139,15 @@ def test_multi_turn_outputs_equal_solo_runs(cfg, work):
     tier_dir = pathlib.Path(tempfile.mkdtemp(prefix="tier-test-"))
     host, disk = {"off": (0, 0), "host": (1 << 20, 0)}.get(cfg["tier"], (0, 1 << 20))
     tier = StateTier(host, disk, SpillStore(tier_dir))
+    prefix_dir = tier_dir / "prefix"
+    prefix_tier = StateTier(*{"off": (0, 0), "host": (1 << 20, 0),
+                              "disk": (0, 1 << 20)}[cfg["prefix_tier"]],
+                            SpillStore(prefix_dir, durable=False))
     num_blocks = (max_len // bs + 2) if cfg["tight"] else 4 * max_len // bs
     core = make_core(num_blocks=num_blocks, block_size=bs, max_batch=4,
                      budget=max(cfg["budget"], 4), chunk=cfg["chunk"],
                      pipeline=cfg["pipeline"], prefix=cfg["prefix"], swap=cfg["swap"],
-                     max_seq_len=max_len, tier=tier,
+                     max_seq_len=max_len, tier=tier, prefix_tier=prefix_tier,
                      sessions=SessionConfig(max_session_blocks=cfg["session_blocks"],
                                             max_pinned_fraction=cfg["pinned_fraction"]))
     history = [[] for _ in work]
@@ -173,8 +180,8 @@ def test_multi_turn_outputs_equal_solo_runs(cfg, work):
         core.tick()
         poison_free_slots(core)
         if cfg["tier"] == "corrupt":
-            for f in tier_dir.iterdir():
-                if f.suffix != ".json":
+            for f in [*tier_dir.iterdir(), *prefix_dir.iterdir()]:
+                if f.is_file() and f.suffix != ".json":
                     f.write_bytes(b"\1" * f.stat().st_size)
     else:
         raise AssertionError("workload did not finish")
@@ -183,5 +190,9 @@ def test_multi_turn_outputs_equal_solo_runs(cfg, work):
         core.sessions.close(f"chat{i}")
     assert_accounted(core)
     assert core.snapshots.num_held == 0
-    assert len(tier) == 0 and list(tier_dir.iterdir()) == []
+    assert len(tier) == 0 and list(tier_dir.iterdir()) == [prefix_dir]
+    # The prefix tier keeps what it caches, within budget, its files exactly its entries.
+    assert prefix_tier.host_used <= prefix_tier.host_bytes
+    assert prefix_tier.disk_used <= prefix_tier.disk_bytes
+    assert len({f.name.split(".")[0] for f in prefix_dir.iterdir()}) == len(prefix_tier._disk)
     shutil.rmtree(tier_dir)

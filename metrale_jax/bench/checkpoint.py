@@ -108,3 +108,30 @@ def count_parameters(checkpoint: str | pathlib.Path) -> int:
             for key in st.keys():
                 total += math.prod(st.get_slice(key).get_shape())
     return total
+
+
+def make_nemotronh_checkpoint(out_dir: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """A NemotronH-shaped hybrid (Mamba2, attention and MLP layers in NVIDIA's pattern,
+    random weights) with the built-in model's tokenizer: about 11M parameters, for the
+    hybrid benchmarks (`metrale bench sessions --model ...`)."""
+    import shutil
+
+    import torch
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    from metrale_jax.default_model import ASSET_DIR
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    pattern = ["linear_attention", "mlp", "linear_attention", "full_attention", "mlp",
+               "linear_attention", "mlp", "linear_attention", "full_attention", "mlp"]
+    config = NemotronHConfig(
+        vocab_size=4096, hidden_size=384, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=64, mamba_num_heads=12, mamba_head_dim=64, ssm_state_size=64, n_groups=2,
+        chunk_size=128, intermediate_size=1024, max_position_embeddings=4096,
+        layers_block_type=pattern, initializer_range=0.05, torch_dtype="float32")
+    NemotronHForCausalLM(config).eval().save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSET_DIR / name, out / name)
+    return out

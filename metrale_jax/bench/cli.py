@@ -185,7 +185,7 @@ def _sessions(args) -> int:
     from metrale_jax.bench.sessions import sessions_benchmark
 
     result = sessions_benchmark(args.model, args.turns, args.turn_len, args.reply_len,
-                                args.prefix_len, seed=args.seed)
+                                args.prefix_len, args.suffix_len, seed=args.seed)
     return _finish(args, {"benchmark": "hybrid state reuse: TTFT per chat turn with "
                                        "sessions / prefix cache / recompute; warm vs cold "
                                        "shared prefix", "model": args.model or
@@ -220,6 +220,14 @@ def _compare(args) -> int:
     path = write_json(out_dir / f"{name}.json", result, _command(args))
     pngs = plot_compare(result, out_dir / name)
     print(f"wrote {path}" + "".join(f"\nwrote {p}" for p in pngs))
+    return 0
+
+
+def _make_nemotronh(args) -> int:
+    from metrale_jax.bench.checkpoint import count_parameters, make_nemotronh_checkpoint
+
+    out = make_nemotronh_checkpoint(args.out, seed=args.seed)
+    print(f"wrote {out} ({count_parameters(out) / 1e6:.1f}M parameters)")
     return 0
 
 
@@ -328,9 +336,11 @@ def add_parser(sub) -> None:
                                          "warm vs cold shared prefix")
     _model_arg(p)
     p.add_argument("--turns", type=int, default=10)
-    p.add_argument("--turn-len", type=int, default=200, help="new tokens per turn")
+    p.add_argument("--turn-len", type=int, default=180, help="new tokens per turn")
     p.add_argument("--reply-len", type=int, default=16, help="generated tokens per turn")
-    p.add_argument("--prefix-len", type=int, default=2048, help="the shared prefix")
+    p.add_argument("--prefix-len", type=int, default=2000, help="the shared prefix")
+    p.add_argument("--suffix-len", type=int, default=32,
+                   help="each shared-prefix request's own tokens after the prefix")
     p.add_argument("--seed", type=int, default=0)
     _output_arg(p)
     p.set_defaults(func=_sessions)
@@ -378,3 +388,9 @@ def add_parser(sub) -> None:
                    "built-in model's Shakespeare corpus)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_make_llama)
+
+    p = cmds.add_parser("make-nemotronh", help="make a NemotronH-shaped hybrid HF checkpoint "
+                                               "(random weights, the built-in tokenizer)")
+    p.add_argument("out")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_make_nemotronh)

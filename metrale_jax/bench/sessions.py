@@ -107,7 +107,7 @@ def _prefix_ttft(model: str | None, prefix: list[int], suffixes: list[list[int]]
 
 
 def sessions_benchmark(model: str | None, turns: int, turn_len: int, reply_len: int,
-                       prefix_len: int, seed: int = 0) -> dict:
+                       prefix_len: int, suffix_len: int = 32, seed: int = 0) -> dict:
     from metrale_jax.bench.compare import vocab_size
 
     vocab = vocab_size(model)
@@ -127,9 +127,9 @@ def sessions_benchmark(model: str | None, turns: int, turn_len: int, reply_len: 
         rows[mode] = {"ttft_s": [round(t, 4) for t in ttfts],
                       "last_over_first": round(ttfts[-1] / ttfts[0], 3)}
         engine.close()
-    prefix, suffixes = tokens(prefix_len), [tokens(turn_len) for _ in range(3)]
-    fillers = [tokens(prefix_len + turn_len) for _ in range(2)]
-    shared = {"prefix_len": prefix_len}
+    prefix, suffixes = tokens(prefix_len), [tokens(suffix_len) for _ in range(3)]
+    fillers = [tokens(prefix_len + suffix_len) for _ in range(2)]
+    shared = {"prefix_len": prefix_len, "suffix_len": suffix_len}
     for level, tier in (("host", {"host_bytes": 4 << 30}), ("disk", {"disk_bytes": 4 << 30})):
         shared[level] = _prefix_ttft(model, prefix, suffixes, fillers, tier)
     return {"turns": turns, "turn_len": turn_len, "reply_len": reply_len,

@@ -70,7 +70,7 @@ class SchedulerCore:
         self.memory.pins = self.sessions
         # Evicted prefix blocks and SSM snapshots go to `prefix_tier` and come back on a hit.
         if prefix_tier is not None and prefix_tier.enabled:
-            self.memory.attach_tier(PrefixTier(prefix_tier, runner))
+            self.memory.attach_tier(PrefixTier(prefix_tier, runner, self.tel))
         self.parking = Parking(runner=runner, memory=self.memory, spill=spill, tel=self.tel,
                                clock=clock)
         self.inbox = Inbox()

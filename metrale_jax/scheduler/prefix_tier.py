@@ -29,6 +29,7 @@ import numpy as np
 from metrale_jax.cache.block_pool import BlockKey
 from metrale_jax.cache.prefix_hash import BlockHash
 from metrale_jax.cache.tiers import StateTier
+from metrale_jax.telemetry import Telemetry
 from metrale_jax.types import Runner
 
 
@@ -52,8 +53,8 @@ def _snapshot_key(block_hash: BlockHash) -> str:
 
 
 class PrefixTier:
-    def __init__(self, tier: StateTier, runner: Runner):
-        self.tier, self.runner = tier, runner
+    def __init__(self, tier: StateTier, runner: Runner, tel: Telemetry | None = None):
+        self.tier, self.runner, self.tel = tier, runner, tel
         self.stats = PrefixTierStats()
         self._blocks: dict[BlockHash, BlockKey] = {}  # stored blocks' full keys
         self._snapshots: set[BlockHash] = set()       # stored snapshots' boundaries
@@ -80,7 +81,7 @@ class PrefixTier:
             piece = {name: a[row:row + 1].copy() for name, a in arrays.items()}
             if self.tier.put(_block_key(key.block_hash), piece):
                 self._blocks[key.block_hash] = key
-                self.stats.blocks_stored += 1
+                self._count("blocks_stored")
             else:
                 self._blocks.pop(key.block_hash, None)
 
@@ -89,7 +90,7 @@ class PrefixTier:
         of no blocks, which give a restore of no blocks its layout) into the tier."""
         if self.tier.put(_snapshot_key(block_hash), self.runner.gather([], slot)):
             self._snapshots.add(block_hash)
-            self.stats.snapshots_stored += 1
+            self._count("snapshots_stored")
         else:
             self._snapshots.discard(block_hash)
 
@@ -111,7 +112,7 @@ class PrefixTier:
             del self._blocks[key.block_hash]
             piece = self.tier.take(_block_key(key.block_hash))
             if piece is None:
-                self.stats.misses += 1
+                self._count("misses")
                 self.put_blocks(keys, pieces)
                 return None
             pieces.append(piece)
@@ -121,7 +122,7 @@ class PrefixTier:
         self._snapshots.discard(block_hash)
         arrays = self.tier.take(_snapshot_key(block_hash))
         if arrays is None:
-            self.stats.misses += 1
+            self._count("misses")
         return arrays
 
     def put_blocks(self, keys: Sequence[BlockKey], pieces) -> None:
@@ -135,9 +136,15 @@ class PrefixTier:
             self._snapshots.add(block_hash)
 
     def count_restore(self, blocks: int, snapshot: bool, tokens: int) -> None:
-        self.stats.blocks_restored += blocks
-        self.stats.snapshots_restored += int(snapshot)
-        self.stats.hit_tokens += tokens
+        self._count("blocks_restored", blocks)
+        self._count("snapshots_restored", int(snapshot))
+        self._count("hit_tokens", tokens)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        """Into the stats and the scheduler's telemetry (/metrics: `prefix_tier_<name>`)."""
+        setattr(self.stats, name, getattr(self.stats, name) + n)
+        if self.tel is not None:
+            self.tel.count(f"prefix_tier_{name}", n)
 
     @staticmethod
     def stack(pieces: Sequence[Mapping[str, np.ndarray]],
