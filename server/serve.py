@@ -18,7 +18,8 @@ import os
 import pathlib
 
 from metrale_jax.config import KV_CACHE_DTYPES
-from metrale_jax.parallel.config import ParallelConfig
+from metrale_jax.parallel import distributed as multi_process
+from metrale_jax.parallel.config import ParallelConfig, ParallelConfigError
 
 API_KEY_ENV = "METRALE_API_KEY"
 DEFAULT_CACHE = pathlib.Path.home() / ".cache" / "metrale_jax" / "xla"
@@ -84,6 +85,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="split the model over this many devices (a mesh axis 'tp'); it must "
                         "divide the attention and Mamba2 head counts. On the CPU, simulate "
                         "devices with XLA_FLAGS=--xla_force_host_platform_device_count=N")
+    multi_process.add_arguments(p)  # refused with more than one process (see engine_kwargs)
     e.add_argument("--structured-outputs-backend", choices=("llguidance", "xgrammar"),
                    default="llguidance", help="grammar engine of structured outputs "
                    "(xgrammar: pip install 'metrale-jax[grammar-xgrammar]')")
@@ -133,13 +135,25 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   enable_prefix_cache=not args.no_prefix_cache,
                   enable_pipeline=not args.no_pipeline, enable_swap=not args.no_swap,
                   seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, ladders=args.ladders,
-                  parallel=ParallelConfig(args.tensor_parallel_size))
+                  parallel=parallel_config(args))
     kwargs.update(lora_kwargs(args))
     for name in ("token", "seq", "prefill_seq", "query", "block"):
         ladder = getattr(args, f"{name}_buckets")
         if ladder is not None:
             kwargs[f"{name}_buckets"] = ladder
     return kwargs
+
+
+def parallel_config(args: argparse.Namespace) -> ParallelConfig:
+    """--tensor-parallel-size; more than one process (flags or JAX_NUM_PROCESSES) is
+    refused: serving is one process for now."""
+    try:
+        parallel = multi_process.with_distributed(ParallelConfig(args.tensor_parallel_size),
+                                                  multi_process.from_arguments(args))
+        multi_process.refuse_serving(parallel)
+    except ParallelConfigError as err:
+        raise SystemExit(f"metrale serve: {err}") from None
+    return parallel
 
 
 def lora_kwargs(args: argparse.Namespace) -> dict:

@@ -7,6 +7,12 @@ once; the jitted step and the programs beside it (slot copies, swap) declare the
 shardings, so every call after the first finds the program it compiled, and donation keeps
 updating the very same per-device buffers. Host inputs (the packed step inputs, swap-in
 pages) are replicated or split as they go to the devices.
+
+Across processes (`ParallelConfig.num_processes` > 1) the mesh spans every process's
+devices, so no array on it is fully addressable. What the host reads is replicated (the
+step's outputs, the swap gather's rows), and reading a replicated array reads this
+process's own copy; host inputs are identical in every process (lockstep), so
+`jax.device_put` onto a mesh sharding hands each process's devices their part of it.
 """
 
 from __future__ import annotations
@@ -75,6 +81,10 @@ class TensorParallel:
     @property
     def tp(self) -> int:
         return self.config.tp
+
+    @property
+    def multi_process(self) -> bool:
+        return self.config.multi_process
 
     @property
     def stored_kv_heads(self) -> int:
