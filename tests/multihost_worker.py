@@ -1,7 +1,7 @@
 """One process of the multi-process test (tests/test_multihost.py), or its one-process
 reference: `python -m tests.multihost_worker OUT.json --tp N [multi-process flags]`.
 
-Builds the tiny Llama (seeded random weights, the built-in tokenizer), runs `LLM(...)`
+Builds the tiny Llama or hybrid (seeded random weights, the built-in tokenizer), runs `LLM(...)`
 greedy on a fixed workload and writes what it generated as JSON to OUT.json. The
 multi-process settings come from the flags or the environment (JAX_NUM_PROCESSES,
 JAX_PROCESS_ID, JAX_COORDINATOR_ADDRESS), as `metrale_jax.parallel.distributed` reads
@@ -26,24 +26,26 @@ from metrale_jax.parallel import distributed as multi_process
 ENGINE = dict(block_size=8, num_kv_blocks=10, max_seq_len=64, max_batch_size=4,
               max_tokens_per_tick=32, prefill_chunk_size=32, seq_buckets=(4,),
               token_buckets=(32,), query_buckets=(32,), block_buckets=(8,),
-              max_logprobs=2, check_every_tick=True, program_cache="none")
+              max_logprobs=2, num_ssm_snapshots=4, check_every_tick=True,
+              program_cache="none")
 SCORED = list(range(5, 25))
 SHARED = list(range(30, 54))  # three full blocks every prompt of the batch starts with
 BATCH = [SHARED + list(range(100 + 7 * i, 104 + 7 * i)) for i in range(4)]
 
 
-def _install_tiny_llama() -> None:
-    """`LLM(None)` builds the tiny Llama, inside the engine's load (after the processes
-    joined: drawing it must not start a JAX backend before `jax.distributed`)."""
+def _install(name: str) -> None:
+    """`LLM(None)` builds the tiny model `name`, inside the engine's load (after the
+    processes joined: drawing it must not start a JAX backend before `jax.distributed`)."""
     from metrale_jax import engine
     from metrale_jax.default_model import ASSET_DIR
     from metrale_jax.loader.resolve import LoadedModel
     from metrale_jax.tokenizer import Tokenizer
 
-    from tests.helpers import TINY_LLAMA, random_model
+    from tests.helpers import TINY_HYBRID, TINY_LLAMA, random_model
 
+    cfg = {"llama": TINY_LLAMA, "hybrid": TINY_HYBRID}[name]
     engine.load = lambda *_args, **_kwargs: LoadedModel(
-        random_model(TINY_LLAMA), TINY_LLAMA, Tokenizer.from_dir(ASSET_DIR), "tiny-llama")
+        random_model(cfg), cfg, Tokenizer.from_dir(ASSET_DIR), f"tiny-{name}")
 
 
 def _logprobs(positions) -> list:
@@ -51,10 +53,10 @@ def _logprobs(positions) -> list:
             for pos in positions or []]
 
 
-def run(tp: int, distributed: dict | None) -> dict:
+def run(model: str, tp: int, distributed: dict | None) -> dict:
     from metrale_jax import LLM, SamplingParams
 
-    _install_tiny_llama()
+    _install(model)
     start = time.perf_counter()
     llm = LLM(None, tensor_parallel_size=tp, distributed=distributed, warmup=False, **ENGINE)
     try:
@@ -85,9 +87,10 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("out", type=pathlib.Path)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--model", choices=("llama", "hybrid"), default="llama")
     multi_process.add_arguments(parser)
     args = parser.parse_args(argv)
-    result = run(args.tp, multi_process.from_arguments(args) or None)
+    result = run(args.model, args.tp, multi_process.from_arguments(args) or None)
     args.out.write_text(json.dumps(result))
     return 0
 

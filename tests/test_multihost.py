@@ -143,16 +143,19 @@ def _run_all(commands: dict[str, tuple[list[str], dict]], tmp: pathlib.Path) -> 
     return {n: json.loads((tmp / f"{n}.json").read_text()) for n in procs}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("multihost")
+@pytest.fixture(scope="module", params=["llama", "hybrid"])
+def runs(request, tmp_path_factory) -> dict:
+    """The tiny Llama, and the tiny hybrid (Mamba2 state sharded by head, swapped out and
+    in across processes too)."""
+    tmp = tmp_path_factory.mktemp(f"multihost-{request.param}")
     address = f"127.0.0.1:{_free_port()}"
+    model = ["--model", request.param]
     return _run_all({
-        "p0": (["--tp", "2", "--num-processes", "2", "--process-id", "0",
+        "p0": ([*model, "--tp", "2", "--num-processes", "2", "--process-id", "0",
                 "--coordinator-address", address], _env()),
-        "p1": (["--tp", "2"], _env(JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1",
-                                   JAX_COORDINATOR_ADDRESS=address)),
-        "single": (["--tp", "1"], _env()),
+        "p1": ([*model, "--tp", "2"], _env(JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1",
+                                           JAX_COORDINATOR_ADDRESS=address)),
+        "single": ([*model, "--tp", "1"], _env()),
     }, tmp)
 
 
