@@ -7,6 +7,8 @@
   `device_groups`: each data-parallel engine's devices.
 * `router.py`  — data parallel: the prefix-affinity router (host only, no jax).
 * `data_parallel.py` — `DataParallelLLM`: M engines behind the router (offline API).
+* `distributed.py` — one engine over several processes (`jax.distributed`, lockstep):
+  the settings (flags, env), joining, and what is refused across processes.
 
 Tensor parallelism of size 1 builds none of this: the runner's single-device path is
 unchanged. This `__init__` imports nothing, so `metrale_jax.config` can import
