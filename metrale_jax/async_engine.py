@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Hashable
 from metrale_jax.engine import LLMEngine, PromptInput
 from metrale_jax.lora.weights import LoraError
 from metrale_jax.outputs import StreamDelta
+from metrale_jax.parallel.distributed import refuse_serving
 from metrale_jax.request import Request, RequestError, SamplingParams
 from metrale_jax.scheduler.faults import EngineFailed
 from metrale_jax.scheduler.levers import Levers
@@ -111,6 +112,8 @@ class AsyncLLM:
     def __init__(self, model: str | None = None, **kwargs):
         self._sink = _QueueSink()
         self.engine = LLMEngine(model, sink=self._sink, **kwargs)
+        # Requests reach one process at times of its own: no lockstep loop across processes.
+        refuse_serving(self.engine.engine_config.parallel)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         e = self.engine

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
 def _generate(args: argparse.Namespace) -> int:
     from metrale_jax import LLM, SamplingParams
+    from metrale_jax.parallel import distributed as multi_process
     from metrale_jax.request import RequestError
 
     # One prompt reaches two or three step shapes: compiling those on use beats warming
-    # up all ~25.
-    llm = LLM(args.model, max_seq_len=args.max_seq_len, dtype=args.dtype, warmup=False)
+    # up all ~25. Several processes (--num-processes) each run this same command in
+    # lockstep; only process 0 writes the completion.
+    llm = LLM(args.model, max_seq_len=args.max_seq_len, dtype=args.dtype, warmup=False,
+              tensor_parallel_size=args.tensor_parallel_size,
+              distributed=multi_process.from_arguments(args) or None)
+    quiet = llm.engine_config.parallel.process_id != 0
+    out = open(os.devnull, "w") if quiet else sys.stdout  # noqa: SIM115 - closed below
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -20,14 +27,17 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = args.prompt
         if args.chat:
             prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        sys.stdout.write(prompt if args.echo else "")
+        out.write(prompt if args.echo else "")
         for delta in llm.stream(prompt, params):
-            sys.stdout.write(delta)
-            sys.stdout.flush()
+            out.write(delta)
+            out.flush()
+        out.write("\n")
     except RequestError as err:
         print(f"\nerror: {err}", file=sys.stderr)
         return 2
-    sys.stdout.write("\n")
+    finally:
+        if quiet:
+            out.close()
     return 0
 
 
@@ -50,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="weights and activations: auto (as stored), float32, bfloat16")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--echo", action="store_true", help="print the prompt first")
+    gen.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                     help="split the model over this many devices (of every process)")
+    from metrale_jax.parallel.distributed import add_arguments  # light: no jax
+    add_arguments(gen)
     gen.set_defaults(func=_generate)
     from metrale_jax.train.cli import add_parser as add_train_parser  # light: no jax
     add_train_parser(sub)

@@ -7,6 +7,7 @@ both build `Request`s here and drive the same `SchedulerCore` through `step()` /
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import pathlib
@@ -26,6 +27,7 @@ from metrale_jax.lora.registry import AdapterLoader, AdapterRegistry, peft_loade
 from metrale_jax.lora.request import LoRARequest
 from metrale_jax.lora.weights import LoraError
 from metrale_jax.outputs import RequestOutput
+from metrale_jax.parallel import distributed as multi_process
 from metrale_jax.parallel.config import ParallelConfig
 from metrale_jax.request import Request, RequestError, SamplingParams, check_context
 from metrale_jax.runner.model_runner import ModelRunner
@@ -67,17 +69,28 @@ class LLMEngine:
                  speculative_config=None, enable_lora: bool = False,
                  max_loras: int | None = None, max_lora_rank: int | None = None,
                  runner=None, adapter_loader: AdapterLoader | None = None,
-                 tensor_parallel_size: int | None = None, devices=None, **engine_overrides):
+                 tensor_parallel_size: int | None = None, devices=None,
+                 distributed=None, **engine_overrides):
         """`enable_lora`, `max_loras`, `max_lora_rank`: vLLM's names for `EngineConfig.lora`;
         `tensor_parallel_size`: vLLM's name for `EngineConfig.parallel` (metrale_jax/parallel);
-        `devices`: the device group the engine runs on (data parallel; None: the first).
+        `devices`: the device group the engine runs on (data parallel; None: the first);
+        `distributed`: one engine over several processes, lockstep (parallel/distributed.py):
+        {"num_processes", "process_id", "coordinator_address"} or "env".
         `runner`: a runner built elsewhere instead of the model's (tests: the fake one);
         `adapter_loader`: how adapter directories are read (default: PEFT)."""
+        engine = engine_config or EngineConfig()
+        parallel = engine_overrides.pop("parallel", engine.parallel)
+        if tensor_parallel_size is not None:
+            parallel = dataclasses.replace(parallel, tensor_parallel_size=tensor_parallel_size)
+        parallel = multi_process.with_distributed(parallel, distributed)
+        if isinstance(parallel, ParallelConfig):  # (else EngineConfig names the field)
+            multi_process.initialize(parallel)  # before anything touches a JAX backend
+        if parallel != engine.parallel:
+            engine_overrides["parallel"] = parallel
         loaded = load(model, dtype)
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        engine = engine_config or EngineConfig()
         if speculative_config == "auto":
             speculative_config = model_default_speculation(loaded.config.num_mtp_modules)
         if speculative_config is not None:  # vLLM's name for it
@@ -85,12 +98,12 @@ class LLMEngine:
         lora = lora_config(enable_lora, max_loras, max_lora_rank)
         if lora is not None:
             engine_overrides["lora"] = lora
-        if tensor_parallel_size is not None:
-            engine_overrides["parallel"] = ParallelConfig(tensor_parallel_size)
         if engine_overrides:
             engine = engine.replace(**engine_overrides)
         if engine.speculative is not None:
             engine.speculative.check_model(loaded.config.num_mtp_modules, loaded.name)
+        multi_process.check_engine(engine.parallel, mtp_gate=engine.speculative.gate
+                                   if engine.speculative is not None else None)
         if engine.max_seq_len > loaded.config.max_position_embeddings:
             logger.warning("max_seq_len %d exceeds what %s was built for; using %d",
                            engine.max_seq_len, loaded.name, loaded.config.max_position_embeddings)
@@ -135,7 +148,7 @@ class LLMEngine:
         cfg = self.engine_config.sessions
         store = None
         if cfg.disk_tier_bytes:
-            base = self._own_spill_dir or self.engine_config.spill_dir or self._spill_dir()
+            base = self._own_spill_dir or self._spill_dir()
             store = SpillStore(pathlib.Path(base) / "tier", durable=False)
         return StateTier(cfg.host_tier_bytes, cfg.disk_tier_bytes, store)
 
@@ -147,12 +160,16 @@ class LLMEngine:
             return None
         store = None
         if cfg.disk_bytes:
-            base = self._own_spill_dir or self.engine_config.spill_dir or self._spill_dir()
+            base = self._own_spill_dir or self._spill_dir()
             store = SpillStore(pathlib.Path(base) / "prefix-tier", durable=False)
         return StateTier(cfg.host_bytes, cfg.disk_bytes, store)
 
     def _spill_dir(self) -> str:
+        parallel = self.engine_config.parallel
         if self.engine_config.spill_dir is not None:
+            if parallel.multi_process:  # each process spills its own (replicated) copy
+                return str(pathlib.Path(self.engine_config.spill_dir)
+                           / f"process{parallel.process_id}")
             return self.engine_config.spill_dir
         remove_stale_dirs()  # what a killed engine left behind
         self._own_spill_dir = make_private_dir()
@@ -223,6 +240,10 @@ class LLMEngine:
         multi-turn session it belongs to (an unknown one opens: scheduler/sessions.py)."""
         self.check_adapter(lora_name)
         check_session_id(session_id)
+        if session_id is not None and self.engine_config.parallel.multi_process:
+            raise RequestError("session_id: sessions are not supported across processes "
+                               "(their time-to-live is wall-clock time, which differs "
+                               "between processes)")
         text, ids = self.prompt_ids(prompt)
         max_len = self.engine_config.max_seq_len
         check_context(len(ids), params.max_tokens, max_len,

@@ -18,7 +18,8 @@ import os
 import pathlib
 
 from metrale_jax.config import KV_CACHE_DTYPES
-from metrale_jax.parallel.config import ParallelConfig
+from metrale_jax.parallel import distributed as multi_process
+from metrale_jax.parallel.config import ParallelConfig, ParallelConfigError
 
 API_KEY_ENV = "METRALE_API_KEY"
 DEFAULT_CACHE = pathlib.Path.home() / ".cache" / "metrale_jax" / "xla"
@@ -89,6 +90,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "--tensor-parallel-size devices with its own tick loop; requests go "
                         "where their prompt's prefix went (sessions stay on one engine). "
                         "LoRA load/unload apply to every engine")
+    multi_process.add_arguments(p)  # refused with more than one process (see engine_kwargs)
     e.add_argument("--structured-outputs-backend", choices=("llguidance", "xgrammar"),
                    default="llguidance", help="grammar engine of structured outputs "
                    "(xgrammar: pip install 'metrale-jax[grammar-xgrammar]')")
@@ -143,7 +145,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   enable_prefix_cache=not args.no_prefix_cache,
                   enable_pipeline=not args.no_pipeline, enable_swap=not args.no_swap,
                   seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, ladders=args.ladders,
-                  parallel=ParallelConfig(args.tensor_parallel_size, args.data_parallel_size),
+                  parallel=parallel_config(args),
                   prefix_tier={"host_bytes": args.prefix_tier_host_bytes,
                                "disk_bytes": args.prefix_tier_disk_bytes})
     kwargs.update(lora_kwargs(args))
@@ -152,6 +154,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         if ladder is not None:
             kwargs[f"{name}_buckets"] = ladder
     return kwargs
+
+
+def parallel_config(args: argparse.Namespace) -> ParallelConfig:
+    """--tensor-parallel-size and --data-parallel-size; more than one process (flags or
+    JAX_NUM_PROCESSES) is refused: serving is one process for now."""
+    try:
+        parallel = multi_process.with_distributed(
+            ParallelConfig(args.tensor_parallel_size, args.data_parallel_size),
+            multi_process.from_arguments(args))
+        multi_process.refuse_serving(parallel)
+    except ParallelConfigError as err:
+        raise SystemExit(f"metrale serve: {err}") from None
+    return parallel
 
 
 def lora_kwargs(args: argparse.Namespace) -> dict:

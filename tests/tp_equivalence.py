@@ -28,10 +28,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 
 from metrale_jax.config import ModelConfig  # noqa: E402  (after XLA_FLAGS)
 from metrale_jax.runner.buckets import StepShape  # noqa: E402
+from tests.helpers import TINY_LLAMA, random_model  # noqa: E402
 
-TINY_LLAMA = ModelConfig(
-    vocab_size=512, hidden_size=64, layer_pattern="AFAF", num_heads=4, num_kv_heads=2,
-    head_dim=16, intermediate_size=128, max_position_embeddings=128)
 # NemotronH's shape: no RoPE, squared-ReLU MLP, one KV head (replicated on every device),
 # Mamba2 with one B/C group (widened per device), dt clamped.
 TINY_NEMOTRONH = ModelConfig(
@@ -67,35 +65,8 @@ def _install(name: str) -> None:
     if name not in _loaded:
         cfg = MODELS[name][0]
         _loaded[name] = load(None) if cfg is None else LoadedModel(
-            _random_model(cfg), cfg, Tokenizer.from_dir(ASSET_DIR), name)
+            random_model(cfg), cfg, Tokenizer.from_dir(ASSET_DIR), name)
     engine.load = lambda *_args, **_kwargs: _loaded[name]
-
-
-def _random_model(cfg: ModelConfig):
-    """A seeded random model drawn with numpy: nnx's initializers compile one program per
-    parameter shape, seconds of a cold run for nothing under test here. Norm scales and
-    D are ones, A = -[1..H] and dt's bias as Mamba2 initialises them, the rest N(0, 0.05)."""
-    import jax
-    import numpy as np
-    from flax import nnx
-
-    from metrale_jax.model.hybrid import HybridLM
-    from metrale_jax.parallel.specs import key_names
-
-    rng = np.random.default_rng(0)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: HybridLM(cfg, nnx.Rngs(0))))
-
-    def draw(path, x):
-        leaf = key_names(path)[-1]
-        if leaf in ("scale", "d_skip"):
-            return np.ones(x.shape, x.dtype)
-        if leaf == "a_log":
-            return np.log(np.arange(1, x.shape[0] + 1)).astype(x.dtype)
-        if leaf == "dt_bias":
-            return np.full(x.shape, np.log(np.expm1(0.01)), x.dtype)
-        return (0.05 * rng.standard_normal(x.shape)).astype(x.dtype)
-
-    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, state))
 
 
 def _greedy(engine, prompts, max_tokens: int, **params) -> list:

@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -98,7 +99,11 @@ def load_checkpoint(path: str | Path) -> HybridLM:
     path = Path(path)
     cfg = read_checkpoint_config(path)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: HybridLM(cfg, nnx.Rngs(0))))
-    target = nnx.to_pure_dict(state)
+    # Onto this process's first device, whatever the device layout of the save (with
+    # several processes, orbax would otherwise refuse the saved one-device topology).
+    local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=local),
+                          nnx.to_pure_dict(state))
     restored = ocp.StandardCheckpointer().restore(_state_dir(path), target)
     nnx.replace_by_pure_dict(state, _like(target, restored))
     return nnx.merge(graphdef, state)

@@ -9,6 +9,8 @@
 * `data_parallel.py` — `DataParallelLLM`: M engines behind the router (offline API).
 * `async_data_parallel.py` — `DataParallelAsyncLLM`: M `AsyncLLM`s behind the router, with
   one `AsyncLLM`'s surface (`metrale serve --data-parallel-size`).
+* `distributed.py` — one engine over several processes (`jax.distributed`, lockstep):
+  the settings (flags, env), joining, and what is refused across processes.
 
 Tensor parallelism of size 1 builds none of this: the runner's single-device path is
 unchanged. This `__init__` imports nothing, so `metrale_jax.config` can import

@@ -4,6 +4,10 @@ Tensor parallelism (`tensor_parallel_size` = N) splits every layer over a mesh a
 devices: attention and KV heads, MLP columns/rows, Mamba2 heads and their SSM state, the
 vocabulary. What must divide N is checked against the model at start-up (`check_model`), so a
 bad N fails there with the count it does not divide, never inside a compile.
+
+Several processes (`num_processes` > 1, e.g. one per host) run one engine together in
+lockstep: each runs the same host loop on the same inputs and owns its local devices, and
+the `tp` mesh spans every process's devices (parallel/distributed.py says how they join).
 """
 
 from __future__ import annotations
@@ -26,12 +30,45 @@ class ParallelConfig:
     # Engines side by side, each on its own group of tensor_parallel_size devices, behind a
     # prefix-affinity router (parallel/data_parallel.py); 1: one engine.
     data_parallel_size: int = 1
+    # Processes running this engine together (jax.distributed); 1: this process alone.
+    num_processes: int = 1
+    # This process's rank among them, 0..num_processes-1; process 0 hosts the coordinator.
+    process_id: int = 0
+    # "host:port" of process 0's coordinator service; needed when num_processes > 1.
+    coordinator_address: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "data_parallel_size", "num_processes"):
             n = getattr(self, name)
             if type(n) is not int or n < 1:
                 raise ParallelConfigError(f"{name}: must be a positive integer, got {n!r}")
+        if type(self.process_id) is not int or not 0 <= self.process_id < self.num_processes:
+            raise ParallelConfigError(
+                f"process_id: must be an integer in 0..{self.num_processes - 1} "
+                f"(num_processes={self.num_processes}), got {self.process_id!r}")
+        if self.multi_process:
+            self._check_multi_process()
+
+    def _check_multi_process(self) -> None:
+        address = self.coordinator_address
+        host, _, port = (address or "").rpartition(":")
+        if not isinstance(address, str) or not host or not port.isdigit():
+            raise ParallelConfigError(
+                f"coordinator_address: num_processes={self.num_processes} needs process 0's "
+                f"address as 'host:port', got {address!r}")
+        if self.dp > 1:
+            raise ParallelConfigError(
+                f"data_parallel_size: {self.dp} is not supported across processes "
+                f"(num_processes={self.num_processes}); use tensor parallel only")
+        if self.tp % self.num_processes:
+            raise ParallelConfigError(
+                f"tensor_parallel_size: {self.tp} must be a multiple of "
+                f"num_processes={self.num_processes} (each process owns tp / num_processes "
+                f"of the mesh's devices)")
+
+    @property
+    def multi_process(self) -> bool:
+        return self.num_processes > 1
 
     @property
     def dp(self) -> int:

@@ -7,6 +7,12 @@ once; the jitted step and the programs beside it (slot copies, swap) declare the
 shardings, so every call after the first finds the program it compiled, and donation keeps
 updating the very same per-device buffers. Host inputs (the packed step inputs, swap-in
 pages) are replicated or split as they go to the devices.
+
+Across processes (`ParallelConfig.num_processes` > 1) the mesh spans every process's
+devices, so no array on it is fully addressable. What the host reads is replicated (the
+step's outputs, the swap gather's rows), and reading a replicated array reads this
+process's own copy; host inputs are identical in every process (lockstep), so
+each process puts its devices' parts of them there itself (`TensorParallel.put`).
 """
 
 from __future__ import annotations
@@ -77,6 +83,10 @@ class TensorParallel:
         return self.config.tp
 
     @property
+    def multi_process(self) -> bool:
+        return self.config.multi_process
+
+    @property
     def stored_kv_heads(self) -> int:
         return self.config.stored_kv_heads(self.model_config.num_kv_heads)
 
@@ -90,22 +100,41 @@ class TensorParallel:
                      ) -> list[jax.Array]:
         """The model's parameter leaves (with their key paths), each on its sharding."""
         specs = param_specs(paths, leaves, self.model_config, self.tp)
-        return [jax.device_put(x, self.sharding(s)) for x, s in zip(leaves, specs)]
+        return [self.put(x, self.sharding(s)) for x, s in zip(leaves, specs)]
 
     def cache_shardings(self, caches: DeviceCaches) -> DeviceCaches:
         return jax.tree.map(self.sharding, cache_specs(caches),
                             is_leaf=lambda x: isinstance(x, PartitionSpec))
 
     def place_caches(self, caches: DeviceCaches) -> DeviceCaches:
-        return jax.device_put(caches, self.cache_shardings(caches))
+        return self.put(caches, self.cache_shardings(caches))
 
     def place_swap_rows(self, kv: tuple, conv: tuple, ssm: tuple) -> tuple:
         """Swapped-in host rows onto their pools' shardings: KV pages
         `[n, kv_heads, bs, hd]` and SSM states `[H, P, N]` by head, conv tails replicated."""
-        return (jax.device_put(kv, self.sharding(PartitionSpec(None, AXIS, None, None))),
-                jax.device_put(conv, self.replicated),
-                jax.device_put(ssm, self.sharding(PartitionSpec(AXIS, None, None))))
+        return (self.put(kv, self.sharding(PartitionSpec(None, AXIS, None, None))),
+                self.put(conv, self.replicated),
+                self.put(ssm, self.sharding(PartitionSpec(AXIS, None, None))))
 
     def replicate(self, tree):
         """Host or device arrays, a full copy on every device of the mesh."""
-        return jax.device_put(tree, self.replicated)
+        return self.put(tree, self.replicated)
+
+    def put(self, tree, shardings):
+        """`jax.device_put(tree, shardings)` (one sharding, or a tree of them). Across
+        processes each process fills its own devices' parts from its host copy, which
+        lockstep makes the same everywhere: `jax.device_put` of host data onto a sharding
+        spanning processes would first all-gather it to compare (a collective per step,
+        serialised behind the step in flight), and refuses a committed local array."""
+        if not self.multi_process:
+            return jax.device_put(tree, shardings)
+        if isinstance(shardings, jax.sharding.Sharding):
+            return jax.tree.map(lambda x: _put_local_parts(x, shardings), tree)
+        return jax.tree.map(_put_local_parts, tree, shardings)
+
+
+def _put_local_parts(x, sharding: NamedSharding) -> jax.Array:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return jax.device_put(x, sharding)  # already across processes: a reshard
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

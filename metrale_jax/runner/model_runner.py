@@ -262,7 +262,7 @@ class ModelRunner:
     def gather(self, blocks: Sequence[int], slot: int | None) -> dict[str, np.ndarray]:
         """One sequence's KV pages (and SSM slot) copied to the host, for a spill."""
         self.counter.record(("swap", block_bucket(len(blocks)), slot is not None))
-        return gather_sequence(self.caches, blocks, slot)
+        return gather_sequence(self.caches, blocks, slot, self.placement)
 
     def scatter(self, arrays, blocks: Sequence[int], slot: int | None) -> None:
         """A spilled sequence's state written back into (new) blocks and slot."""

@@ -13,7 +13,11 @@ nowhere, not even into the null block.
 Under tensor parallelism (`placement`) the pools are sharded by head: `jax.device_get` of
 the gathered (still sharded) rows assembles every device's heads on the host, and swap-in
 puts each host array straight onto its pool's sharding (each device receives its own heads)
-before the scatter, whose output keeps the pools' shardings.
+before the scatter, whose output keeps the pools' shardings. Across processes
+(`placement.multi_process`) no process can read the others' heads: there the gather's
+output is declared replicated (XLA all-gathers the rows), every process reads its local
+copy and spills the whole sequence to its own spill directory, and swap-in puts those
+identical host arrays onto the shardings as on one process.
 Array names: `kv{i}_k`, `kv{i}_v` ([n_blocks, kv_heads, block_size, head_dim]) per KV layer,
 `conv{i}` ([K-1, conv_dim]) and `ssm{i}` ([H, P, N] float32) per Mamba2 layer.
 """
@@ -38,7 +42,7 @@ HostArray = Shaped[np.ndarray, "..."]
 
 
 def gather_sequence(caches: DeviceCaches, blocks: Sequence[int], slot: int | None,
-                    ) -> dict[str, HostArray]:
+                    placement: "TensorParallel | None" = None) -> dict[str, HostArray]:
     """Copy a sequence's KV blocks (and, with a slot, its conv/SSM rows) to the host; the
     same host arrays whether or not the pools are sharded (a sharded array is read back
     whole)."""
@@ -46,8 +50,8 @@ def gather_sequence(caches: DeviceCaches, blocks: Sequence[int], slot: int | Non
     _check_slot(caches, slot)
     ids = np.zeros(block_bucket(len(blocks)), np.int32)  # pad with the null block: read, never kept
     ids[:len(blocks)] = blocks
-    kv, conv, ssm = jax.device_get(
-        _gather(caches, ids, np.int32(slot or 0), with_state=slot is not None))
+    kv, conv, ssm = jax.device_get(_gather_program(placement)(
+        caches, ids, np.int32(slot or 0), with_state=slot is not None))
     n = len(blocks)
     out: dict[str, np.ndarray] = {}
     for i, (k, v) in enumerate(kv):
@@ -101,13 +105,27 @@ def expected_layout(caches: DeviceCaches, num_blocks: int, with_state: bool,
 
 # -- the jitted halves -------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("with_state",))
-def _gather(caches: DeviceCaches, block_ids: Int[Array, "B"], slot: Int[Array, ""],
-            with_state: bool) -> tuple[tuple, tuple, tuple]:
+def _gather_rows(caches: DeviceCaches, block_ids: Int[Array, "B"], slot: Int[Array, ""],
+                 with_state: bool) -> tuple[tuple, tuple, tuple]:
     kv = tuple((k[block_ids], v[block_ids]) for k, v in caches.kv)
     if not with_state:
         return kv, (), ()
     return kv, tuple(c[slot] for c in caches.conv), tuple(s[slot] for s in caches.ssm)
+
+
+_gather = jax.jit(_gather_rows, static_argnames=("with_state",))
+
+
+@functools.cache
+def _replicated_gather(out_sharding):
+    """The gather across processes: its rows replicated, so each process holds them all."""
+    return jax.jit(_gather_rows, static_argnames=("with_state",), out_shardings=out_sharding)
+
+
+def _gather_program(placement: "TensorParallel | None"):
+    if placement is None or not placement.multi_process:
+        return _gather
+    return _replicated_gather(placement.replicated)
 
 
 def _scatter_rows(caches: DeviceCaches, kv: tuple, conv: tuple, ssm: tuple,
@@ -150,8 +168,8 @@ def warm_buckets(caches: DeviceCaches, max_blocks: int, with_state: bool,
     while buckets[-1] < max_blocks:
         buckets.append(2 * buckets[-1])
     for b in buckets:
-        jax.block_until_ready(_gather(caches, np.zeros(b, np.int32), np.int32(0),
-                                      with_state=with_state))
+        jax.block_until_ready(_gather_program(placement)(
+            caches, np.zeros(b, np.int32), np.int32(0), with_state=with_state))
         host = {name: np.zeros(shape, dtype) for name, (shape, dtype)
                 in expected_layout(caches, b, with_state).items()}
         kv = tuple((host[f"kv{i}_k"], host[f"kv{i}_v"]) for i in range(len(caches.kv)))
