@@ -76,6 +76,10 @@ class Sequence:
     # The block hash of this sequence's latest decode-time SSM snapshot: the next one it
     # keeps replaces it, so decoding keeps at most one per sequence (`Memory._kept`).
     decode_snapshot: bytes | None = None
+    # Where this prompt's cached KV ends with no SSM snapshot there (it leaves a shared
+    # prefix): its prefill stops on that block boundary once, so the state is snapshotted
+    # and later prompts sharing the prefix reuse all of it (0: none).
+    snapshot_cut: int = 0
     error: str | None = None
     uid: int = dataclasses.field(default_factory=lambda: next(_uids))
     # MTP drafts for the tokens after `output_ids[:drafts_at]` (speculative steps make

@@ -80,6 +80,25 @@ def test_next_turn_reuses_the_last_decode_boundary(pipeline):
     assert_accounted(core)
 
 
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_a_prompt_leaving_a_shared_prefix_snapshots_where_it_leaves(pipeline):
+    """Chunks long enough that a prompt is snapshotted only at its own last boundary: the
+    second prompt sharing the prefix finds its KV cached with no state there, so its
+    prefill stops at that block once; every later one reuses the whole prefix."""
+    core = make_core(block_size=4, chunk=64, budget=64, pipeline=pipeline)
+    shared = list(range(10, 30))  # 5 blocks
+    prompts = [shared + tail for tail in ([1, 2, 3, 4, 5, 6, 7], [9] * 5, [7] * 5, [8] * 6)]
+    hits = []
+    for prompt in prompts:
+        before = core.pool.stats.prefix_hit_tokens
+        request = make_request(prompt, 3)
+        run(core, [request])
+        hits.append(core.pool.stats.prefix_hit_tokens - before)
+        assert request.sequences[0].output_ids == reference_continuation(prompt, 3)
+    assert hits == [0, 0, 20, 20]
+    assert_accounted(core)
+
+
 def test_a_long_decode_keeps_one_decode_snapshot():
     core = make_core(block_size=2, chunk=64, max_seq_len=64)
     request = make_request([1, 2, 3], 40)

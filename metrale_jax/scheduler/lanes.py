@@ -49,10 +49,13 @@ def _prefill_chunk(memory: Memory, levers: LeverValues, seq: Sequence,
     end = seq.num_computed + len(chunk)
     # On a hybrid model with prefix caching, a prefill chunk stops on the prompt's last full
     # block boundary it crosses, so the SSM state there can be snapshotted for reuse (a
-    # chunk that ran on to the prompt's end would leave no snapshot for short prompts).
+    # chunk that ran on to the prompt's end would leave no snapshot for short prompts), or
+    # first where its cached KV ended without a snapshot (`Sequence.snapshot_cut`).
     if memory.has_ssm and levers.prefix_cache_enabled:
         bs = memory.block_size
         boundary = min(end, len(seq.prompt_ids)) // bs * bs
+        if seq.num_computed < seq.snapshot_cut < boundary:
+            boundary = seq.snapshot_cut  # where a shared prefix ends: snapshot it
         if seq.num_computed < boundary < end:
             chunk = chunk[:boundary - seq.num_computed]
     # Shrink to the blocks that can still be had rather than wait for all of them.

@@ -98,6 +98,14 @@ class Memory:
         seq.slot = self.slots.allocate()
         if not reuse_prefix or (self.pins is not None and self.pins.take_tail(seq)):
             return
+        self._reuse_prefix(seq)
+        if self.has_ssm:
+            cached = len(self.pool.peek_prefix(seq.prompt_ids, seq.adapter_id).blocks)
+            if cached * self.block_size > seq.num_computed:
+                seq.snapshot_cut = cached * self.block_size
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Start `seq` on the longest cached prefix (device, then the prefix tier)."""
         match = self.pool.match_prefix(seq.prompt_ids, seq.adapter_id, self._snapshot_usable())
         if self.prefix_tier is not None and len(self.prefix_tier) and \
                 self._admit_from_tier(seq, match):
