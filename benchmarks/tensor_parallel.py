@@ -10,7 +10,8 @@ Each size: one engine, `--requests` greedy requests of `--prompt-len` prompt tok
 `--output-len` new tokens, all submitted at once; one untimed run (it compiles the shapes
 the timed runs use), then the best of `--rounds` timed runs.
 
-Run: `python -m benchmarks.tensor_parallel [--sizes 1 2] [--requests 8] [--output-len 32]`.
+Run: `python -m benchmarks.tensor_parallel [--model DIR] [--sizes 1 2] [--requests 8]
+[--output-len 32]` (with a model, the result is `tensor_parallel-<its folder name>.json`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _run(engine, prompts, output_len: int) -> float:
 def measure(tp: int, args) -> dict:
     from metrale_jax.engine import LLM
 
-    llm = LLM(None, warmup=False, tensor_parallel_size=tp, max_batch_size=args.requests,
+    llm = LLM(args.model, warmup=False, tensor_parallel_size=tp, max_batch_size=args.requests,
               max_seq_len=args.prompt_len + args.output_len + 1, enable_prefix_cache=False)
     prompts = [[(7 * i + j) % 4000 + 10 for j in range(args.prompt_len)]
                for i in range(args.requests)]
@@ -55,6 +56,9 @@ def measure(tp: int, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None, help="a checkpoint directory (default: the "
+                   "built-in model, whose 6 heads allow tp 1 and 2; `metrale bench make-llama "
+                   "--preset llama-tiny DIR` makes one that allows 4)")
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -68,13 +72,15 @@ def main() -> None:
     rows = [measure(tp, args) for tp in args.sizes]
     for row in rows:
         print(row)
+    name = os.path.basename(os.path.normpath(args.model)) if args.model else None
     write_result("tensor_parallel", {
-        "model": "metrale-default", "platform": jax.default_backend(),
+        "model": name or "metrale-default", "platform": jax.default_backend(),
         "devices": len(jax.devices()),
         "note": "simulated CPU devices share the same cores: overheads, not speedup"
                 if jax.default_backend() == "cpu" else "",
         "requests": args.requests, "prompt_len": args.prompt_len,
-        "output_len": args.output_len, "results": rows})
+        "output_len": args.output_len, "results": rows},
+        file=f"tensor_parallel-{name}" if name else None)
 
 
 if __name__ == "__main__":

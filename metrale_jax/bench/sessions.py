@@ -11,8 +11,10 @@ own warmed engine so none inherits another's cache:
 Replies must be identical across the three (greedy); the result says whether they were.
 Without reuse TTFT grows with the history; the issue's bar is turn 10 / turn 1 <= 1.5 with
 sessions. The prefix part times one request over a fresh `prefix_len`-token prefix (cold),
-then another with the same prefix and a different suffix (warm: the device's prefix cache);
-then unrelated prompts fill the KV pool, so the prefix's blocks and SSM snapshots are
+then two more with the same prefix and other suffixes (warm: the device's prefix cache; on
+a hybrid the first of them computes from the last SSM snapshot before the prefix's end and
+leaves one there, so `warm_device_s` is the second, the steady state, and the first is
+reported beside it); then unrelated prompts fill the KV pool, so the prefix's blocks and SSM snapshots are
 evicted into the prefix tier, and a third request with the prefix is timed (warm: restored
 from the tier). That runs twice, on an engine whose tier is host RAM and on one whose tier
 is disk only; each first makes sure the prefix really left the device (no cached block of
@@ -87,15 +89,17 @@ def _prefix_ttft(model: str | None, prefix: list[int], suffixes: list[list[int]]
     try:
         _ttft(engine, fillers[0][:len(suffixes[0]) + 16], 1)  # first-use costs, not timed
         cold, _ = _ttft(engine, prefix + suffixes[0], 1)
-        warm, _ = _ttft(engine, prefix + suffixes[1], 1)
+        first, _ = _ttft(engine, prefix + suffixes[1], 1)
+        warm, _ = _ttft(engine, prefix + suffixes[2], 1)
         for filler in fillers:
             _ttft(engine, filler, 1)
         pool, offload = engine.core.memory.pool, engine.core.memory.prefix_tier
-        on_device = len(pool.peek_prefix(prefix + suffixes[2]).blocks)
+        on_device = len(pool.peek_prefix(prefix + suffixes[3]).blocks)
         restored = offload.stats.blocks_restored
-        tiered, _ = _ttft(engine, prefix + suffixes[2], 1)
-        return {"cold_s": round(cold, 4), "warm_device_s": round(warm, 4),
-                "warm_tier_s": round(tiered, 4),
+        tiered, _ = _ttft(engine, prefix + suffixes[3], 1)
+        return {"cold_s": round(cold, 4), "first_warm_device_s": round(first, 4),
+                "warm_device_s": round(warm, 4), "warm_tier_s": round(tiered, 4),
+                "first_warm_over_cold_device": round(first / cold, 3),
                 "warm_over_cold_device": round(warm / cold, 3),
                 "warm_over_cold_tier": round(tiered / cold, 3),
                 "prefix_blocks_on_device_before": on_device,
@@ -127,7 +131,7 @@ def sessions_benchmark(model: str | None, turns: int, turn_len: int, reply_len: 
         rows[mode] = {"ttft_s": [round(t, 4) for t in ttfts],
                       "last_over_first": round(ttfts[-1] / ttfts[0], 3)}
         engine.close()
-    prefix, suffixes = tokens(prefix_len), [tokens(suffix_len) for _ in range(3)]
+    prefix, suffixes = tokens(prefix_len), [tokens(suffix_len) for _ in range(4)]
     fillers = [tokens(prefix_len + suffix_len) for _ in range(2)]
     shared = {"prefix_len": prefix_len, "suffix_len": suffix_len}
     for level, tier in (("host", {"host_bytes": 4 << 30}), ("disk", {"disk_bytes": 4 << 30})):
