@@ -143,10 +143,10 @@ def _run_all(commands: dict[str, tuple[list[str], dict]], tmp: pathlib.Path) -> 
     return {n: json.loads((tmp / f"{n}.json").read_text()) for n in procs}
 
 
-@pytest.fixture(scope="module", params=["llama", "hybrid"])
+@pytest.fixture(scope="module", params=["llama"])
 def runs(request, tmp_path_factory) -> dict:
-    """The tiny Llama, and the tiny hybrid (Mamba2 state sharded by head, swapped out and
-    in across processes too)."""
+    """The tiny Llama (`--model hybrid` runs the tiny hybrid the same way, its Mamba2 state
+    sharded by head: kept out of the suite for its time on 2 cores)."""
     tmp = tmp_path_factory.mktemp(f"multihost-{request.param}")
     address = f"127.0.0.1:{_free_port()}"
     model = ["--model", request.param]
