@@ -129,6 +129,22 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _parse_section(cls, value, name: str):
+    """An EngineConfig section given as the object, a dict of its fields, or None (its
+    defaults); anything else, or an unknown field, is an error naming the section."""
+    if value is None:
+        return cls()
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"{name}: unknown field(s) {unknown}")
+        return cls(**value)
+    if not isinstance(value, cls):
+        raise ValueError(f"{name}: expected a {cls.__name__} or a dict, got "
+                         f"{type(value).__name__}")
+    return value
+
+
 @dataclass(frozen=True)
 class SessionConfig:
     """Multi-turn sessions (scheduler/sessions.py): how long an idle one lives and what
@@ -158,18 +174,7 @@ class SessionConfig:
 
     @classmethod
     def parse(cls, value: "SessionConfig | dict | None") -> "SessionConfig":
-        if value is None:
-            return cls()
-        if isinstance(value, dict):
-            known = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise ValueError(f"sessions: unknown field(s) {unknown}")
-            return cls(**value)
-        if not isinstance(value, cls):
-            raise ValueError(f"sessions: expected a SessionConfig or a dict, got "
-                             f"{type(value).__name__}")
-        return value
+        return _parse_section(cls, value, "sessions")
 
 
 @dataclass(frozen=True)
@@ -195,18 +200,7 @@ class PrefixTierConfig:
 
     @classmethod
     def parse(cls, value: "PrefixTierConfig | dict | None") -> "PrefixTierConfig":
-        if value is None:
-            return cls()
-        if isinstance(value, dict):
-            known = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise ValueError(f"prefix_tier: unknown field(s) {unknown}")
-            return cls(**value)
-        if not isinstance(value, cls):
-            raise ValueError(f"prefix_tier: expected a PrefixTierConfig or a dict, got "
-                             f"{type(value).__name__}")
-        return value
+        return _parse_section(cls, value, "prefix_tier")
 
 
 @dataclass(frozen=True)
