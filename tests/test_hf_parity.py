@@ -5,7 +5,8 @@ parameters that initialise to constants (norm weights, A_log, D, dt_bias, biases
 or mis-transposed one would otherwise go unnoticed), saves it, loads it with our loader and
 compares log_softmax with transformers' full forward: for the prompt in one ragged prefill
 step (two sequences side by side, padding included), then for 8 greedy decode steps through
-a paged cache with shuffled, non-contiguous blocks. Then: sharded and bfloat16 checkpoints,
+a paged cache with shuffled, non-contiguous blocks; the same in bfloat16 against transformers
+in bfloat16, within a stated tolerance. Then: sharded and bfloat16 checkpoints,
 NemotronH MTP tensors, and the loader's errors.
 """
 
@@ -168,6 +169,54 @@ def test_decode_logprobs_match_transformers(parity):
     ours, ref = parity["decode"]
     assert ours.shape == (DECODE_STEPS, ref.shape[1])
     np.testing.assert_array_less(np.abs(ours - ref).max(axis=1), TOL)
+
+
+# ---- bfloat16 ---------------------------------------------------------------------------
+
+# bf16 keeps 8 bits of mantissa, so bf16 log-probs sit a few hundredths from the f32 ones in
+# any implementation. The stated tolerance: ours in bf16 is within BF16_TOL of transformers
+# in bf16, and no further from transformers' f32 than BF16_SLACK times transformers' own bf16
+# distance from it (measured: 0.8-1.4x). A swapped or mis-cast weight is off by ~1 or more.
+BF16_TOL, BF16_SLACK = 0.15, 2.0
+
+
+@pytest.fixture(scope="module")
+def bf16_parity(case):
+    """Prompt and 4 decode steps in bf16 (weights and activations; the KV pool f32, the
+    engine's choice on the CPU), with transformers' bf16 and f32 log-probs."""
+    _, hf, path = case
+    model, cfg = load_hf_model(path, progress=False, dtype="bfloat16")
+    prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, PROMPT_LEN).tolist()
+    hf_bf16 = type(hf)(hf.config).eval()
+    hf_bf16.load_state_dict(hf.state_dict())
+    hf_bf16 = hf_bf16.to(torch.bfloat16)
+    generated: list[int] = []
+    for _ in range(4):
+        generated.append(int(_hf_logprobs(hf_bf16, prompt + generated)[-1].argmax()))
+    ids = prompt + generated
+
+    step = _step_fn(model)
+    caches = allocate_caches(cfg, num_blocks=12, block_size=BLOCK, num_slots=4,
+                             kv_dtype="float32")
+    batch = build_step_batch([RowChunk(prompt, 0, TABLE, SLOT)],
+                             StepShape(tokens=16, rows=1, query_len=16, max_blocks=MAX_BLOCKS),
+                             BLOCK)
+    logprobs, caches = step(batch, caches)
+    ours = [np.asarray(logprobs, np.float32)[:PROMPT_LEN]]
+    decode_shape = StepShape(tokens=1, rows=1, query_len=1, max_blocks=MAX_BLOCKS)
+    for s, token in enumerate(generated[:-1]):
+        batch = build_step_batch([RowChunk([token], PROMPT_LEN + s, TABLE, SLOT)],
+                                 decode_shape, BLOCK)
+        logprobs, caches = step(batch, caches)
+        ours.append(np.asarray(logprobs, np.float32)[:1])
+    return np.concatenate(ours), _hf_logprobs(hf_bf16, ids)[:-1], _hf_logprobs(hf, ids)[:-1]
+
+
+def test_bfloat16_logprobs_match_transformers_in_bfloat16(bf16_parity):
+    ours, ref_bf16, ref_f32 = bf16_parity
+    assert ours.shape == ref_bf16.shape
+    assert np.abs(ours - ref_bf16).max() < BF16_TOL
+    assert np.abs(ours - ref_f32).max() <= BF16_SLACK * np.abs(ref_bf16 - ref_f32).max()
 
 
 # ---- checkpoint variants --------------------------------------------------------------
