@@ -29,6 +29,7 @@ from metrale_jax.lora.weights import LoraError
 from metrale_jax.outputs import RequestOutput
 from metrale_jax.parallel import distributed as multi_process
 from metrale_jax.parallel.config import ParallelConfig
+from metrale_jax.parallel.placement import param_placement
 from metrale_jax.request import Request, RequestError, SamplingParams, check_context
 from metrale_jax.runner.model_runner import ModelRunner
 from metrale_jax.scheduler.core import SchedulerCore
@@ -87,7 +88,10 @@ class LLMEngine:
             multi_process.initialize(parallel)  # before anything touches a JAX backend
         if parallel != engine.parallel:
             engine_overrides["parallel"] = parallel
-        loaded = load(model, dtype)
+        # The parameters load straight onto the shards the runner keeps them on (a runner
+        # built elsewhere places its own).
+        loaded = load(model, dtype, placement=param_placement(parallel, devices)
+                      if isinstance(parallel, ParallelConfig) and runner is None else None)
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

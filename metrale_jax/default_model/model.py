@@ -46,8 +46,9 @@ def build(config: ModelConfig = CONFIG, seed: int = SEED) -> HybridLM:
     return HybridLM(config, nnx.Rngs(seed))
 
 
-def load_trained(path: pathlib.Path = WEIGHTS_DIR) -> HybridLM:
-    """The committed trained weights (a metrale checkpoint of `CONFIG`)."""
+def load_trained(path: pathlib.Path = WEIGHTS_DIR, placement=None) -> HybridLM:
+    """The committed trained weights (a metrale checkpoint of `CONFIG`); `placement`:
+    restored straight onto their shards (metrale_jax/loader/targets.py)."""
     from metrale_jax.loader.checkpoint import (  # heavy: orbax
         is_metrale_checkpoint, load_checkpoint, read_checkpoint_config)
 
@@ -58,4 +59,4 @@ def load_trained(path: pathlib.Path = WEIGHTS_DIR) -> HybridLM:
     if read_checkpoint_config(path) != CONFIG:
         raise ValueError(f"{path}: the trained checkpoint's config differs from "
                          "default_model.CONFIG; retrain or update CONFIG")
-    return load_checkpoint(path)
+    return load_checkpoint(path, placement)

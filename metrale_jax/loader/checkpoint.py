@@ -22,6 +22,7 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.loader.hf_weights import load_hf_model
+from metrale_jax.loader.targets import Placement, param_shardings, plain_path
 from metrale_jax.model.hybrid import HybridLM
 
 CONFIG_FILE = "metrale_config.json"
@@ -94,27 +95,39 @@ def _like(target: Any, restored: Any) -> Any:
             for k, v in target.items()}
 
 
-def load_checkpoint(path: str | Path) -> HybridLM:
-    """Restore a model written by `save_checkpoint`, straight into its final shapes/dtypes."""
+def load_checkpoint(path: str | Path, placement: Placement | None = None) -> HybridLM:
+    """Restore a model written by `save_checkpoint`, straight into its final shapes/dtypes:
+    onto this process's first device, or with a `placement` (loader/targets.py) into each
+    parameter's sharding, every device reading only its own shard from the files."""
     path = Path(path)
     cfg = read_checkpoint_config(path)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: HybridLM(cfg, nnx.Rngs(0))))
-    # Onto this process's first device, whatever the device layout of the save (with
-    # several processes, orbax would otherwise refuse the saved one-device topology).
-    local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=local),
-                          nnx.to_pure_dict(state))
+    pure = nnx.to_pure_dict(state)
+    target = jax.tree.unflatten(jax.tree.structure(pure), _restore_targets(pure, cfg, placement))
     restored = ocp.StandardCheckpointer().restore(_state_dir(path), target)
     nnx.replace_by_pure_dict(state, _like(target, restored))
     return nnx.merge(graphdef, state)
 
 
+def _restore_targets(pure: dict, cfg: ModelConfig, placement: Placement | None,
+                     ) -> list[jax.ShapeDtypeStruct]:
+    """The abstract leaves orbax restores into, each with the sharding it lands on. Whatever
+    the device layout of the save: the targets' shardings win (with several processes,
+    orbax would otherwise refuse the saved one-device topology)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(pure)
+    shardings = param_shardings(placement, cfg, flat)
+    local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=local if shardings is None
+                                 else shardings[plain_path(path)]) for path, x in flat]
+
+
 def load_model(path_or_dir: str | Path, *, dtype: str | None = None, progress: bool = True,
-               ) -> tuple[HybridLM, ModelConfig]:
+               placement: Placement | None = None) -> tuple[HybridLM, ModelConfig]:
     """Load either format: a metrale checkpoint or a Hugging Face directory.
 
     `path_or_dir` may also name a file inside the directory (e.g. its config.json).
     `dtype` converts a Hugging Face checkpoint; a metrale checkpoint keeps its saved dtype.
+    `placement`: load every parameter straight onto its shards (loader/targets.py).
     """
     path = Path(path_or_dir)
     if path.is_file():
@@ -123,9 +136,9 @@ def load_model(path_or_dir: str | Path, *, dtype: str | None = None, progress: b
         if dtype is not None and dtype != read_checkpoint_config(path).dtype:
             raise ValueError(f"dtype: {path} is a metrale checkpoint saved in "
                              f"{read_checkpoint_config(path).dtype}; it cannot load as {dtype}")
-        model = load_checkpoint(path)
+        model = load_checkpoint(path, placement)
         return model, model.cfg
     if (path / "config.json").is_file():
-        return load_hf_model(path, dtype=dtype, progress=progress)
+        return load_hf_model(path, dtype=dtype, progress=progress, placement=placement)
     raise FileNotFoundError(f"{path}: neither a metrale checkpoint ({CONFIG_FILE}) nor a Hugging "
                             "Face model directory (config.json + *.safetensors)")

@@ -5,7 +5,11 @@ tensor it comes from (`hf_rules`). Before any data is read the whole mapping is 
 against the checkpoint headers: a missing tensor names the HF tensor and our path, a wrong
 shape names both shapes, a tensor nothing consumes (and that is not known-ignorable, like a
 rotary `inv_freq`) is named too. Then tensors are read one by one, memory-mapped, converted
-to our layout and the leaf's dtype, and put on the device.
+to our layout and the leaf's dtype, and put on the device. Split over devices (a
+`placement`, loader/targets.py), each leaf is built shard by shard instead: every device of
+this process gets the part of the leaf it holds, read as the matching part of the HF tensor
+(our layouts are transposes of HF's, so a part of ours is a part of theirs) and cast on the
+host; no tensor of a split leaf is ever read whole.
 
 HF key prefixes, as transformers 5.24 writes them: Llama / Qwen3 use `model.` (decoder
 layers `model.layers.{i}.self_attn|mlp.*`, `model.embed_tokens`, `model.norm`); Mamba2 and
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import re
 import struct
@@ -41,14 +46,17 @@ from tqdm.auto import tqdm
 from metrale_jax.config import ModelConfig
 from metrale_jax.loader.hf_config import (LLAMA, MAMBA2, NEMOTRON_H, QWEN3, architecture_of,
                                           model_config_from_hf, read_hf_config)
+from metrale_jax.loader.targets import Placement, StatePath, param_shardings, plain_path
 from metrale_jax.model.hybrid import HybridLM
-
-StatePath = tuple[Any, ...]  # an nnx state path, e.g. ('blocks', 0, 'mixer', 'q_proj', 'kernel')
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtypes numpy cannot build; `safe_open(framework="numpy")` refuses them.
 _EXTRA_DTYPES = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
                  "F8_E5M2": ml_dtypes.float8_e5m2}
+# Every safetensors dtype, for reading parts of tensors straight from the memory map.
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64,
+           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+           **_EXTRA_DTYPES}
 # Tensors a checkpoint may carry that no model parameter corresponds to.
 _IGNORABLE = (re.compile(r"(^|\.)rotary_emb\.inv_freq$"),)
 _MTP_PREFIX = "mtp."
@@ -81,9 +89,11 @@ class SafetensorsReader(contextlib.AbstractContextManager):
         self.files = safetensors_files(self.model_dir)
         self._stack = contextlib.ExitStack()
         self._handles: dict[Path, Any] = {}
+        self._maps: dict[Path, tuple[dict, np.memmap]] = {}
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
+        self._maps.clear()
 
     def names(self) -> set[str]:
         return set(self.files)
@@ -102,6 +112,31 @@ class SafetensorsReader(contextlib.AbstractContextManager):
         if dtype in _EXTRA_DTYPES:
             return _read_raw(self.files[name], name, _EXTRA_DTYPES[dtype])
         return self._handle(name).get_tensor(name)
+
+    def part(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """`tensor[index]` (HF layout), a view of the memory-mapped file: copying it reads
+        the bytes of that part only, whatever the tensor's size."""
+        return self._view(name)[index]
+
+    def _view(self, name: str) -> np.ndarray:
+        """The whole tensor as a view of its file's memory map; nothing is read yet."""
+        file = self.files[name]
+        if file not in self._maps:
+            self._maps[file] = _map_file(file)
+        header, data = self._maps[file]
+        entry = header[name]
+        start, end = entry["data_offsets"]
+        return data[start:end].view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
+def _map_file(file: Path) -> tuple[dict, np.memmap]:
+    """A safetensors file's header and its data section, memory-mapped: u64 header length,
+    JSON header, then the tensors' bytes (little-endian, C order)."""
+    with open(file, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_len)
+    return header, data
 
 
 def _read_raw(file: Path, name: str, dtype: Any) -> np.ndarray:
@@ -138,6 +173,17 @@ class TensorRule:
         if self.layout == "conv":
             return x[:, 0, :].T
         return x
+
+    def hf_index(self, ours: tuple[slice, ...]) -> tuple[slice, ...]:
+        """The part of the HF tensor that `to_ours` turns into part `ours` of our leaf:
+        `to_ours(x[hf_index(i)]) == to_ours(x)[i]`, every layout being a transpose."""
+        if self.layout == "linear":
+            rows, cols = ours
+            return (cols, rows)
+        if self.layout == "conv":
+            k, c = ours
+            return (c, slice(None), k)
+        return tuple(ours)
 
 
 def _leaf_rule(path: StatePath, rest: tuple, prefixes: tuple[str, ...]) -> TensorRule:
@@ -270,12 +316,14 @@ def _resolve(rules: list[TensorRule], leaves: dict[StatePath, jax.ShapeDtypeStru
     return chosen
 
 
-def _check_tied_head(reader: SafetensorsReader, embedding: np.ndarray) -> None:
-    """A tied checkpoint may still store lm_head.weight; accept it only as a copy."""
+def _check_tied_head(reader: SafetensorsReader, name: str, embedding: np.ndarray,
+                     index: tuple[slice, ...]) -> None:
+    """A tied checkpoint may still store lm_head.weight; accept it only as a copy. Compared
+    part by part: `embedding` is part `index` (HF layout) of tensor `name`."""
     if "lm_head.weight" not in reader.names():
         return
-    head = reader.read("lm_head.weight")
-    if head.shape != embedding.shape or not np.array_equal(head, embedding):
+    if reader.shape("lm_head.weight") != reader.shape(name) or \
+            not np.array_equal(reader.part("lm_head.weight", index), embedding):
         raise ValueError(f"{reader.model_dir}: tie_word_embeddings is true but lm_head.weight "
                          "differs from the input embedding")
 
@@ -287,34 +335,67 @@ def _set(tree: dict, path: StatePath, value: Any) -> None:
 
 
 def load_hf_weights(model_dir: str | Path, cfg: ModelConfig, arch: str, *,
-                    progress: bool = True) -> HybridLM:
-    """Fill a `HybridLM(cfg)` from the safetensors checkpoint in `model_dir`."""
+                    progress: bool = True, placement: Placement | None = None) -> HybridLM:
+    """Fill a `HybridLM(cfg)` from the safetensors checkpoint in `model_dir`: each leaf
+    whole on the default device or, with a `placement` (loader/targets.py), on its
+    sharding, read part by part."""
     abstract = nnx.eval_shape(lambda: HybridLM(cfg, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
     flat, _ = jax.tree_util.tree_flatten_with_path(pure)
-    leaves = {tuple(k.key for k in path): leaf for path, leaf in flat}
+    leaves = {plain_path(path): leaf for path, leaf in flat}
+    shardings = param_shardings(placement, cfg, flat)
     with SafetensorsReader(model_dir) as reader:
         rules = hf_rules(cfg, arch, sorted(leaves, key=_fmt), reader.names())
         chosen = _resolve(rules, leaves, reader, cfg, arch)
         for rule in tqdm(rules, desc=f"loading {Path(model_dir).name}", unit="tensor",
                          disable=not progress):
-            raw = reader.read(chosen[rule.path])
-            if rule.path == ("embed", "embedding") and cfg.tie_word_embeddings:
-                _check_tied_head(reader, raw)
-            value = np.asarray(rule.to_ours(raw)).astype(leaves[rule.path].dtype, copy=False)
-            _set(pure, rule.path, jnp.asarray(value))
+            tied = rule.path == ("embed", "embedding") and cfg.tie_word_embeddings
+            read = _read_whole if shardings is None else functools.partial(
+                _read_sharded, sharding=shardings[rule.path])
+            _set(pure, rule.path, read(reader, rule, chosen[rule.path], leaves[rule.path],
+                                       tied=tied))
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
 
 
+def _read_whole(reader: SafetensorsReader, rule: TensorRule, name: str,
+                leaf: jax.ShapeDtypeStruct, *, tied: bool) -> jax.Array:
+    """The single-device path: the tensor whole, converted, onto the default device."""
+    raw = reader.read(name)
+    if tied:
+        _check_tied_head(reader, name, raw, (slice(None),) * raw.ndim)
+    value = np.asarray(rule.to_ours(raw)).astype(leaf.dtype, copy=False)
+    return jnp.asarray(value)
+
+
+def _read_sharded(reader: SafetensorsReader, rule: TensorRule, name: str,
+                  leaf: jax.ShapeDtypeStruct, *, tied: bool,
+                  sharding: jax.sharding.Sharding) -> jax.Array:
+    """One leaf built on `sharding`, each of this process's devices from its own part:
+    that part of our layout is the same part of the HF tensor transposed
+    (`TensorRule.hf_index`), read from the memory map and cast to the leaf's dtype there.
+    No device, and no host buffer, ever holds more of a split leaf than one shard."""
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        hf_index = rule.hf_index(index)
+        raw = reader.part(name, hf_index)
+        if tied:
+            _check_tied_head(reader, name, raw, hf_index)
+        # One copy: out of the map, into our layout and dtype at once.
+        return np.array(rule.to_ours(raw), dtype=leaf.dtype, order="C")
+
+    return jax.make_array_from_callback(leaf.shape, sharding, shard, dtype=leaf.dtype)
+
+
 def load_hf_model(model_dir: str | Path, *, dtype: str | None = None, progress: bool = True,
-                  ) -> tuple[HybridLM, ModelConfig]:
-    """A Hugging Face directory (config.json + safetensors) -> our model and config."""
+                  placement: Placement | None = None) -> tuple[HybridLM, ModelConfig]:
+    """A Hugging Face directory (config.json + safetensors) -> our model and config;
+    `placement`: load each parameter straight onto its shards (loader/targets.py)."""
     model_dir = Path(model_dir)
     hf = read_hf_config(model_dir)
     arch = architecture_of(hf)
     names = safetensors_files(model_dir)
     has_mtp = any(n.startswith(_MTP_PREFIX) for n in names)
     cfg = model_config_from_hf(hf, has_mtp_weights=has_mtp, dtype=dtype)
-    return load_hf_weights(model_dir, cfg, arch, progress=progress), cfg
+    return load_hf_weights(model_dir, cfg, arch, progress=progress,
+                           placement=placement), cfg

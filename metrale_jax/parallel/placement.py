@@ -3,7 +3,9 @@ putting arrays on them.
 
 The runner holds one of these when `tensor_parallel_size` > 1 (None otherwise: the
 single-device path is untouched). Parameters and caches are committed to their shardings
-once; the jitted step and the programs beside it (slot copies, swap) declare their outputs'
+once: the parameters by the loader itself, which gets an equal placement from the engine
+(`param_placement`) and builds each on its sharding, so `place_params` finds them there.
+The jitted step and the programs beside it (slot copies, swap) declare their outputs'
 shardings, so every call after the first finds the program it compiled, and donation keeps
 updating the very same per-device buffers. Host inputs (the packed step inputs, swap-in
 pages) are replicated or split as they go to the devices.
@@ -18,6 +20,7 @@ each process puts its devices' parts of them there itself (`TensorParallel.put`)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -29,6 +32,9 @@ from metrale_jax.parallel.config import ParallelConfig, ParallelConfigError
 from metrale_jax.parallel.ops import ShardedOps
 from metrale_jax.parallel.specs import AXIS, REPLICATED, cache_specs, param_specs
 from pallas_kernels.backend import KernelOps
+
+if TYPE_CHECKING:
+    from metrale_jax.loader.targets import Placement
 
 
 def make_tp_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -96,11 +102,20 @@ class TensorParallel:
     def sharding(self, spec: PartitionSpec) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
 
+    def param_shardings(self, paths: Sequence[tuple], leaves: Sequence,
+                        ) -> list[NamedSharding]:
+        """The sharding of each parameter leaf (arrays or `jax.ShapeDtypeStruct`s, with their
+        key paths): what the loader reads straight into and `place_params` checks."""
+        specs = param_specs(paths, leaves, self.model_config, self.tp)
+        return [self.sharding(s) for s in specs]
+
     def place_params(self, paths: Sequence[tuple], leaves: Sequence[jax.Array],
                      ) -> list[jax.Array]:
-        """The model's parameter leaves (with their key paths), each on its sharding."""
-        specs = param_specs(paths, leaves, self.model_config, self.tp)
-        return [self.put(x, self.sharding(s)) for x, s in zip(leaves, specs)]
+        """The model's parameter leaves (with their key paths), each on its sharding. A
+        leaf the loader already put there (given the engine's `param_placement`) is kept
+        as it is: no second copy, the very buffers the loader filled."""
+        shardings = self.param_shardings(paths, leaves)
+        return [x if _on(x, s) else self.put(x, s) for x, s in zip(leaves, shardings)]
 
     def cache_shardings(self, caches: DeviceCaches) -> DeviceCaches:
         return jax.tree.map(self.sharding, cache_specs(caches),
@@ -131,6 +146,21 @@ class TensorParallel:
         if isinstance(shardings, jax.sharding.Sharding):
             return jax.tree.map(lambda x: _put_local_parts(x, shardings), tree)
         return jax.tree.map(_put_local_parts, tree, shardings)
+
+
+def param_placement(config: ParallelConfig, devices: Sequence[jax.Device] | None = None,
+                    ) -> "Placement | None":
+    """What the loader needs to load an engine's parameters straight onto their shards: a
+    function of the model's config (known only once the checkpoint's config is read)
+    giving the engine's `TensorParallel`, equal to the one its runner builds from the same
+    config and devices. None on the single-device path (the loader's own, unchanged)."""
+    if config.tp == 1 and devices is None:
+        return None
+    return lambda model_config: TensorParallel(config, model_config, devices)
+
+
+def _on(x, sharding: NamedSharding) -> bool:
+    return isinstance(x, jax.Array) and x.sharding == sharding
 
 
 def _put_local_parts(x, sharding: NamedSharding) -> jax.Array:
