@@ -16,7 +16,7 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.model.attention import Attention
 from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.caches import DeviceCaches
-from metrale_jax.model.layers import MLP, RMSNorm, dtype_of, linear
+from metrale_jax.model.layers import MLP, RMSNorm, apply_linear, dtype_of, linear
 from metrale_jax.model.lora import LoraInputs
 from metrale_jax.model.mamba2 import Mamba2Mixer
 from pallas_kernels.backend import XLA, KernelOps, resolve
@@ -124,7 +124,9 @@ class HybridLM(nnx.Module):
 
     def logits(self, hidden: Float[Array, "N D"]) -> Float[Array, "N V"]:
         if self.cfg.tie_word_embeddings:
-            logits = (hidden @ self.embed.embedding[...].T).astype(jnp.float32)
+            # f32 accumulation and result: on XLA:CPU a bf16 dot with a bf16 result is slow.
+            logits = jnp.dot(hidden, self.embed.embedding[...].T,
+                             preferred_element_type=jnp.float32).astype(jnp.float32)
         else:
             logits = self.lm_head(hidden).astype(jnp.float32)
         if self.logits_sharding is not None:
@@ -145,7 +147,7 @@ class HybridLM(nnx.Module):
         """
         module = self.mtp[depth]
         kv, conv, ssm = list(caches.kv), list(caches.conv), list(caches.ssm)
-        x = module.eh_proj(jnp.concatenate(
+        x = apply_linear(module.eh_proj, jnp.concatenate(
             [module.enorm(self.embed(next_ids)), module.hnorm(hidden)], axis=-1))
         offset = len(self.cfg.attention_layers) + depth * self.cfg.mtp_pattern.count("A")
         # Base weights only: no adapter reaches the MTP layers (as vLLM, which applies LoRA

@@ -15,12 +15,27 @@ def dtype_of(cfg: ModelConfig) -> jnp.dtype:
     return jnp.dtype(cfg.dtype)
 
 
+def accumulate_dtype(cfg: ModelConfig) -> jnp.dtype | None:
+    """What a 16-bit model's matmuls accumulate and return: float32 (None: the operands'
+    own). On XLA:CPU a bf16 x bf16 dot asked for a float32 result runs on the AMX/bf16 units,
+    ~3x an f32 dot at M >= 16, while one asked for a bf16 result takes a path ~1.5x *slower*
+    than f32; on GPUs it is the usual f32 accumulation."""
+    return jnp.float32 if dtype_of(cfg).itemsize == 2 else None
+
+
 def linear(cfg: ModelConfig, d_in: int, d_out: int, rngs: nnx.Rngs, *, bias: bool = False,
            ) -> nnx.Linear:
-    """`x @ kernel` with kernel stored `[in, out]` (the fast layout on XLA:CPU)."""
+    """`x @ kernel` with kernel stored `[in, out]` (the fast layout on XLA:CPU). Apply it with
+    `apply_linear`, which returns the activation dtype."""
     init = nnx.initializers.normal(stddev=0.02)
     return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=init, dtype=dtype_of(cfg),
-                      param_dtype=dtype_of(cfg), rngs=rngs)
+                      param_dtype=dtype_of(cfg), preferred_element_type=accumulate_dtype(cfg),
+                      rngs=rngs)
+
+
+def apply_linear(layer: nnx.Linear, x: Float[Array, "T I"]) -> Float[Array, "T O"]:
+    """`layer(x)` in the layer's dtype (a 16-bit layer accumulates in f32: `accumulate_dtype`)."""
+    return layer(x).astype(layer.dtype)
 
 
 class RMSNorm(nnx.Module):

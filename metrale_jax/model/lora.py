@@ -101,5 +101,5 @@ def group_deltas(lora: BlockLora | None, group: str, x: Float[Array, "T I"],
 def project(linear: nnx.Linear, x: Float[Array, "T I"], delta: Float[Array, "T O"] | None,
             ) -> Float[Array, "T O"]:
     """`linear(x)`, plus the tokens' adapter output `delta` when there is one."""
-    y = linear(x)
+    y = linear(x).astype(linear.dtype)  # a 16-bit layer accumulates in f32 (layers.linear)
     return y if delta is None else y + delta.astype(y.dtype)
