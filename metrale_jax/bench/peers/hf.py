@@ -22,7 +22,8 @@ def load_model(checkpoint: str, threads: int | None = None):
 
     if threads:
         torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    # The checkpoint's own dtype, as ours loads it ("auto"): same weights, same dtype.
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="auto")
     model.eval()
     return model
 
