@@ -71,6 +71,23 @@ class KernelOps:
                                            sliding_window=sliding_window, pages_per_step=pages,
                                            interpret=self.interpret)
 
+    def ragged_paged_attention(self, q, k_pages, v_pages, layout, *, scale: float,
+                               soft_cap: float | None = None,
+                               sliding_window: int | None = None):
+        """Attention for the step's flat queries `[T, H, D]`. `layout` is the step's ragged
+        layout (`RaggedLayout`). The CPU kernel reads the flat tokens in place; every other
+        backend pads them to `[S, Q]` with the layout's gather map, runs `paged_attention`
+        and flattens the result."""
+        kw = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+        if self.cpu_kernels and k_pages.dtype == jnp.float32:
+            return cpu_attention.ragged_paged_attention(
+                q, k_pages, v_pages, layout.block_tables, layout.context_lens,
+                layout.positions, layout.gather_index[:, 0], layout.gather_valid.sum(axis=1),
+                **kw)
+        out = self.paged_attention(layout.to_padded(q), k_pages, v_pages, layout.block_tables,
+                                   layout.context_lens, layout.to_padded(layout.positions), **kw)
+        return layout.to_flat(out)
+
     def ssd_chunk_scan(self, x, dt, a, b, c, init_state, *, chunk_size: int):
         if not self._kernel_fits(x.shape[-1], b.shape[-1], chunk_size):
             return ssd_reference.ssd_chunk_scan(x, dt, a, b, c, init_state, chunk_size=chunk_size)

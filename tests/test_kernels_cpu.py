@@ -1,10 +1,11 @@
-"""The C++ paged-attention custom call (XLA:CPU) against the jnp reference: ragged prefill
-chunks and decode rows, GQA, edge lengths, sliding window, soft cap; and the engine's greedy
+"""The C++ paged-attention custom calls (XLA:CPU, padded and flat-ragged entry points)
+against the jnp reference: ragged prefill chunks and decode rows, GQA, edge lengths, sliding window, soft cap; and the engine's greedy
 outputs with it equal those with the reference."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,12 +17,35 @@ from tests.test_kernels_paged_attention import BS, MB, D, _case, rng  # noqa: F4
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU custom call")
 
 
+def _flat(args, valid, pad_tokens: int = 3):
+    """The padded case laid out as a ragged step: each row's valid cells as one run of
+    flat tokens, then `pad_tokens` tokens no row owns."""
+    q, k_pages, v_pages, tables, lens, positions = args
+    counts = valid.sum(axis=1).astype(np.int32)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
+    t = int(counts.sum()) + pad_tokens
+    q_flat = np.zeros((t,) + q.shape[2:], np.float32)
+    q_flat[:t - pad_tokens] = np.asarray(q)[valid]
+    q_flat[t - pad_tokens:] = 1.0  # padding tokens carry garbage; their output must be 0
+    pos_flat = np.zeros(t, np.int32)
+    pos_flat[:t - pad_tokens] = np.asarray(positions)[valid]
+    return (jnp.asarray(q_flat), k_pages, v_pages, tables, lens, jnp.asarray(pos_flat),
+            jnp.asarray(starts), jnp.asarray(counts))
+
+
 def _check(args, valid, **kw):
     want = reference.paged_attention(*args, scale=D ** -0.5, **kw)
     got = jax.jit(lambda *a: cpu.paged_attention(*a, scale=D ** -0.5, **kw))(*args)
     assert got.shape == want.shape
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid],
                                rtol=2e-5, atol=2e-5)
+    # The ragged entry point, on the same rows as flat tokens.
+    flat = _flat(args, valid)
+    got = np.asarray(jax.jit(
+        lambda *a: cpu.ragged_paged_attention(*a, scale=D ** -0.5, **kw))(*flat))
+    n = int(valid.sum())
+    np.testing.assert_allclose(got[:n], np.asarray(want)[valid], rtol=2e-5, atol=2e-5)
+    assert not got[n:].any()
 
 
 def test_the_library_builds_and_auto_uses_it_on_the_cpu():
@@ -50,6 +74,27 @@ def test_a_large_batch_spreads_over_the_thread_pool(rng):  # noqa: F811
     rows = [(MB * BS - 1 - (i % 5), 1 + (i % 16)) for i in range(32)]
     assert sum(c for c, _ in rows) * 16 * 8 * D >= 1 << 20
     args, valid = _case(rng, rows, heads=8, kv_heads=2, q_bucket=16)
+    _check(args, valid)
+
+
+def test_a_long_chunk_is_split_across_threads(rng):  # noqa: F811
+    # One 100-cell prefill chunk beside decode rows: past 2 x kCellsPerTask (32) cells and
+    # kMinParallelWork, so the chunk's cells are cut into tasks the pool threads share.
+    width = 32  # blocks per row: 128 keys
+    contexts, cells = [120] + [90 - i for i in range(6)], [100] + [1] * 6
+    s, q_bucket, heads, kv_heads = len(contexts), 100, 16, 4
+    blocks = 1 + s * width
+    k_pages = jnp.asarray(rng.normal(size=(blocks, kv_heads, BS, D)), jnp.float32)
+    v_pages = jnp.asarray(rng.normal(size=(blocks, kv_heads, BS, D)), jnp.float32)
+    tables = rng.permutation(np.arange(1, blocks)).reshape(s, width).astype(np.int32)
+    positions = np.zeros((s, q_bucket), np.int32)
+    valid = np.zeros((s, q_bucket), bool)
+    for i, (ctx, n) in enumerate(zip(contexts, cells)):
+        positions[i, :n], valid[i, :n] = np.arange(ctx - n, ctx), True
+    q = jnp.asarray(rng.normal(size=(s, q_bucket, heads, D)), jnp.float32)
+    args = (q, k_pages, v_pages, jnp.asarray(tables), jnp.asarray(contexts, jnp.int32),
+            jnp.asarray(positions))
+    assert sum(c * n for c, n in zip(contexts, cells)) * heads * D >= 1 << 20
     _check(args, valid)
 
 

@@ -44,9 +44,8 @@ class Attention(nnx.Module):
             q = apply_rope(q, batch.positions, inv_freq)
             k = apply_rope(k, batch.positions, inv_freq)
         k_pages, v_pages = self.ops.write_kv_pages(kv[0], kv[1], k, v, batch.slot_mapping)
-        out = self.ops.paged_attention(
-            batch.to_padded(q), k_pages, v_pages, batch.block_tables, batch.context_lens,
-            batch.to_padded(batch.positions), scale=cfg.head_dim ** -0.5)
-        out = batch.to_flat(out).reshape(t, cfg.num_heads * cfg.head_dim)
+        out = self.ops.ragged_paged_attention(q, k_pages, v_pages, batch,
+                                              scale=cfg.head_dim ** -0.5)
+        out = out.reshape(t, cfg.num_heads * cfg.head_dim)
         (do,) = group_deltas(lora, "o", out, ("o_proj",))
         return project(self.o_proj, out, do), (k_pages, v_pages)

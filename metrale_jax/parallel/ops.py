@@ -80,6 +80,15 @@ class ShardedOps:
         return self._per_shard(attend, (-2, -3, -3, None, None, None), -2)(
             q, k_pages, v_pages, block_tables, context_lens, q_positions)
 
+    def ragged_paged_attention(self, q: Float[Array, "T H hd"], k_pages, v_pages, layout, *,
+                               scale: float, soft_cap: float | None = None,
+                               sliding_window: int | None = None):
+        def attend(q, k_pages, v_pages, layout):
+            return self.inner.ragged_paged_attention(q, k_pages, v_pages, layout, scale=scale,
+                                                     soft_cap=soft_cap,
+                                                     sliding_window=sliding_window)
+        return self._per_shard(attend, (-2, -3, -3, None), -2)(q, k_pages, v_pages, layout)
+
     # -- Mamba2 (x [.., H, P], dt [.., H], a [H], b/c [.., G, N], state [S, H, P, N]) -------
 
     def _ssm(self, fun, x, dt, a, b, c, state, out_axes):

@@ -32,7 +32,8 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"
 LINK_FLAGS = ["-shared", "-lmvec", "-lm"]
 FLAGS = COMPILE_FLAGS + LINK_FLAGS
 # name in XLA -> symbol in the library
-TARGETS = {"metrale_paged_attention": "MetralePagedAttention"}
+TARGETS = {"metrale_paged_attention": "MetralePagedAttention",
+           "metrale_ragged_paged_attention": "MetraleRaggedPagedAttention"}
 
 
 def _cpu_flags() -> str:

@@ -1,11 +1,14 @@
 // Ragged paged attention for XLA:CPU, called through the XLA FFI.
 //
-// Same contract as pallas_kernels/paged_attention/reference.py (float32): queries [S, Q, H, D],
-// head-major pages [NB, KVH, BS, D], block tables [S, MB], context lengths [S], query
-// positions [S, Q]. Why a custom call: XLA:CPU cannot read pages through a block table without
+// Two entry points, float32, head-major pages [NB, KVH, BS, D], block tables [S, MB] and
+// context lengths [S] in both. Padded: the contract of pallas_kernels/paged_attention/
+// reference.py, queries and positions [S, Q, ...]. Ragged: the step's own flat tokens
+// [T, H, D], row s owning the run [starts[s], starts[s] + counts[s]), so a step mixing
+// prefill chunks with decode rows neither copies queries into [S, Q] nor attends for
+// padding cells. Why a custom call: XLA:CPU cannot read pages through a block table without
 // first copying them (a gather) and has no fused online softmax, so its best paged form still
-// moves every K/V byte three times. Here each (row, KV head) task reads its pages in place,
-// once, for all of its query cells and GQA heads, with an online softmax.
+// moves every K/V byte three times. Here each task (a row's query cells, a range of KV heads)
+// reads its pages in place, once, for all of its cells and GQA heads, with an online softmax.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -79,7 +82,7 @@ inline void ScaleAccumulate(float* acc, float corr, const float* w, const float*
 }
 
 struct Dims {
-  int64_t S, Q, H, D, NB, KVH, BS, MB;
+  int64_t H, D, KVH, BS, MB;
 };
 
 // Pull the next block's pages for heads [h0, h1) towards the cache while this one is used:
@@ -109,28 +112,29 @@ inline void VisitBlock(const float* qv, const float* kb, const float* vb, int64_
   mx = mnew;
 }
 
-// One task: row s, KV heads [h0, h1), every query cell and every query head of those groups.
-// Heads are the inner loop so a block's pages for the whole head range are read as one
-// contiguous run ([kv_heads, block_size, head_dim] is contiguous per block).
-void AttendRow(const Dims& d, int64_t s, int64_t h0, int64_t h1, const float* q,
-               const float* kp, const float* vp, const int32_t* tables, const int32_t* lens,
-               const int32_t* qpos, float scale, float soft_cap, int32_t window, float* out) {
+// One task: `cells` consecutive query cells of one row (`q`/`out` point at the first cell's
+// [H, D], `pos` at its position), KV heads [h0, h1), every query head of those groups. Heads
+// are the inner loop so a block's pages for the whole head range are read as one contiguous
+// run ([kv_heads, block_size, head_dim] is contiguous per block).
+void AttendCells(const Dims& d, const int32_t* table, int64_t ctx, const float* q,
+                 const int32_t* pos, int64_t cells, int64_t h0, int64_t h1, const float* kp,
+                 const float* vp, float scale, float soft_cap, int32_t window, float* out) {
   const int64_t G = d.H / d.KVH, D = d.D, BS = d.BS, page = BS * D;
-  const int64_t heads = (h1 - h0) * G, ctx = lens[s];
+  const int64_t heads = (h1 - h0) * G;
   std::vector<float> m(heads), l(heads), acc(heads * D), p(BS);
-  for (int64_t c = 0; c < d.Q; ++c) {
-    const int64_t pos = qpos[s * d.Q + c];
-    const int64_t end = std::min<int64_t>(ctx, pos + 1);  // keys [first, end) are visible
-    const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  for (int64_t c = 0; c < cells; ++c) {
+    const int64_t at = pos[c];
+    const int64_t end = std::min<int64_t>(ctx, at + 1);  // keys [first, end) are visible
+    const int64_t first = window > 0 ? std::max<int64_t>(0, at - window + 1) : 0;
     std::fill(m.begin(), m.end(), kMasked);
     std::fill(l.begin(), l.end(), 0.f);
     std::fill(acc.begin(), acc.end(), 0.f);
-    const float* qrow = q + (s * d.Q + c) * d.H * D;
+    const float* qrow = q + c * d.H * D;
     const int64_t b_end = std::min<int64_t>((end + BS - 1) / BS, d.MB);
     for (int64_t b = first / BS; b < b_end; ++b) {
-      const int64_t block = tables[s * d.MB + b];
+      const int64_t block = table[b];
       if (b + 1 < b_end) {
-        const int64_t next = (tables[s * d.MB + b + 1] * d.KVH + h0) * page;
+        const int64_t next = (table[b + 1] * d.KVH + h0) * page;
         Prefetch(kp + next, (h1 - h0) * page);
         Prefetch(vp + next, (h1 - h0) * page);
       }
@@ -148,13 +152,80 @@ void AttendRow(const Dims& d, int64_t s, int64_t h0, int64_t h1, const float* q,
       }
     }
     for (int64_t j = 0; j < heads; ++j) {
-      float* o = out + ((s * d.Q + c) * d.H + h0 * G + j) * D;
+      float* o = out + (c * d.H + h0 * G + j) * D;
       const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;  // a cell that sees nothing: zeros
       for (int64_t i = 0; i < D; ++i) o[i] = acc[j * D + i] * inv;
     }
   }
 }
 
+// A unit of work: query cells [c0, c1) of row s, KV heads [h0, h1).
+struct Task {
+  int64_t s, c0, c1, h0, h1;
+};
+
+// Below this many query cells per task a long chunk is not split further: each task re-reads
+// the row's pages, so splitting only pays when there are threads to spare.
+constexpr int64_t kCellsPerTask = 32;
+
+// Tasks for rows with `cells[s]` query cells: a row is split into cell ranges and head ranges
+// only as far as the threads need; `work` sums cells x visible keys (the parallel gate).
+std::vector<Task> MakeTasks(const Dims& d, int64_t S, const int64_t* cells,
+                            const int32_t* lens, int64_t threads, int64_t& work) {
+  int64_t busy = 0;
+  work = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    if (cells[s] > 0 && lens[s] > 0) ++busy;
+    work += cells[s] * std::max<int64_t>(lens[s], 0);
+  }
+  work *= d.H * d.D;
+  const int64_t splits =
+      std::min<int64_t>(d.KVH, std::max<int64_t>(1, 2 * threads / std::max<int64_t>(busy, 1)));
+  const int64_t per_split = (d.KVH + splits - 1) / splits;
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < S; ++s) {
+    if (cells[s] <= 0) continue;
+    // Rows with no context (padding) still run, writing zeros, so every cell is defined.
+    const int64_t step = cells[s] > 2 * kCellsPerTask && threads > 1 ? kCellsPerTask : cells[s];
+    for (int64_t c0 = 0; c0 < cells[s]; c0 += step)
+      for (int64_t h0 = 0; h0 < d.KVH; h0 += per_split)
+        tasks.push_back({s, c0, std::min(cells[s], c0 + step), h0,
+                         std::min(d.KVH, h0 + per_split)});
+  }
+  return tasks;
+}
+
+// Runs `tasks` on the calling thread and, when the work is big enough, the pool's threads,
+// which take the next task from a shared counter (rows differ widely in cost: a prefill
+// chunk beside decode rows).
+template <typename Fn>
+void RunTasks(ffi::ThreadPool& pool, int64_t count, int64_t work, Fn&& fn) {
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t workers = work < kMinParallelWork ? 1 : std::min<int64_t>(threads, count);
+  if (workers <= 1) {
+    for (int64_t t = 0; t < count; ++t) fn(t);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  auto drain = [&] {
+    for (int64_t t = next.fetch_add(1); t < count; t = next.fetch_add(1)) fn(t);
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t pending = workers - 1;
+  for (int64_t w = 1; w < workers; ++w) {
+    pool.Schedule([&] {
+      drain();
+      std::lock_guard<std::mutex> lock(mu);
+      if (--pending == 0) cv.notify_one();
+    });
+  }
+  drain();
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return pending == 0; });
+}
+
+// Padded layout: queries [S, Q, H, D], positions [S, Q], output [S, Q, H, D].
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                               ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
@@ -163,51 +234,66 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   auto qd = q.dimensions(), kd = k_pages.dimensions(), td = tables.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("paged attention: bad ranks");
-  const Dims d{qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], td[1]};
+  const int64_t S = qd[0], Q = qd[1];
+  const Dims d{qd[2], qd[3], kd[1], kd[2], td[1]};
   const float* qp = q.typed_data();
-  const float* kp = k_pages.typed_data();
-  const float* vp = v_pages.typed_data();
   const int32_t* tp = tables.typed_data();
   const int32_t* lp = lens.typed_data();
   const int32_t* pp = qpos.typed_data();
   float* op = out->typed_data();
-  // Tasks are rows, split into head ranges only when there are too few rows for the threads.
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t splits = std::min<int64_t>(d.KVH, std::max<int64_t>(1, 2 * threads / d.S));
-  const int64_t per_split = (d.KVH + splits - 1) / splits;
-  const int64_t tasks = d.S * splits;
-  // Rows with no context (padding) still write zeros, so every output cell is defined.
-  auto run = [=](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t s = t / splits, h0 = (t % splits) * per_split;
-      const int64_t h1 = std::min<int64_t>(h0 + per_split, d.KVH);
-      if (h0 < h1)
-        AttendRow(d, s, h0, h1, qp, kp, vp, tp, lp, pp, scale, soft_cap, window, op);
-    }
-  };
+  const int64_t cell = d.H * d.D;
+  std::vector<int64_t> cells(S, Q);
   int64_t work = 0;
-  for (int64_t s = 0; s < d.S; ++s) work += std::max<int64_t>(lp[s], 0);
-  work *= d.Q * d.H * d.D;
-  const int64_t workers = work < kMinParallelWork ? 1 : std::min<int64_t>(threads, tasks);
-  if (workers <= 1) {
-    run(0, tasks);
-    return ffi::Error::Success();
+  const auto tasks = MakeTasks(d, S, cells.data(), lp, pool.num_threads(), work);
+  RunTasks(pool, tasks.size(), work, [&](int64_t i) {
+    const Task& t = tasks[i];
+    const int64_t first = t.s * Q + t.c0;
+    AttendCells(d, tp + t.s * d.MB, lp[t.s], qp + first * cell, pp + first, t.c1 - t.c0, t.h0,
+                t.h1, k_pages.typed_data(), v_pages.typed_data(), scale, soft_cap, window,
+                op + first * cell);
+  });
+  return ffi::Error::Success();
+}
+
+// Ragged layout: queries [T, H, D] flat, row s owning tokens [starts[s], starts[s] +
+// counts[s]); positions [T]; output [T, H, D], zeros for tokens no row owns (padding).
+ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                    ffi::Buffer<ffi::F32> k_pages,
+                                    ffi::Buffer<ffi::F32> v_pages,
+                                    ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
+                                    ffi::Buffer<ffi::S32> positions,
+                                    ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> counts,
+                                    float scale, float soft_cap, int32_t window,
+                                    ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k_pages.dimensions(), td = tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
+    return ffi::Error::InvalidArgument("ragged paged attention: bad ranks");
+  const int64_t T = qd[0], S = td[0];
+  const Dims d{qd[1], qd[2], kd[1], kd[2], td[1]};
+  const int32_t* sp = starts.typed_data();
+  const int32_t* cp = counts.typed_data();
+  const int64_t cell = d.H * d.D;
+  float* op = out->typed_data();
+  std::vector<int64_t> cells(S);
+  std::vector<char> owned(T, 0);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t lo = std::clamp<int64_t>(sp[s], 0, T);
+    cells[s] = std::clamp<int64_t>(cp[s], 0, T - lo);
+    std::fill(owned.begin() + lo, owned.begin() + lo + cells[s], 1);
   }
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t pending = workers - 1;
-  const int64_t per = (tasks + workers - 1) / workers;
-  for (int64_t w = 1; w < workers; ++w) {
-    const int64_t lo = w * per, hi = std::min(tasks, lo + per);
-    pool.Schedule([&, lo, hi] {
-      run(lo, hi);
-      std::lock_guard<std::mutex> lock(mu);
-      if (--pending == 0) cv.notify_one();
-    });
-  }
-  run(0, std::min(tasks, per));
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return pending == 0; });
+  for (int64_t t = 0; t < T; ++t)
+    if (!owned[t]) std::fill(op + t * cell, op + (t + 1) * cell, 0.f);
+  const int32_t* lp = lens.typed_data();
+  int64_t work = 0;
+  const auto tasks = MakeTasks(d, S, cells.data(), lp, pool.num_threads(), work);
+  RunTasks(pool, tasks.size(), work, [&](int64_t i) {
+    const Task& t = tasks[i];
+    const int64_t first = std::clamp<int64_t>(sp[t.s], 0, T) + t.c0;
+    AttendCells(d, tables.typed_data() + t.s * d.MB, lp[t.s], q.typed_data() + first * cell,
+                positions.typed_data() + first, t.c1 - t.c0, t.h0, t.h1,
+                k_pages.typed_data(), v_pages.typed_data(), scale, soft_cap, window,
+                op + first * cell);
+  });
   return ffi::Error::Success();
 }
 
@@ -219,6 +305,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MetralePagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("window")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MetraleRaggedPagedAttention, RaggedPagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

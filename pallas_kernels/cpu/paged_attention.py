@@ -1,4 +1,7 @@
-"""The CPU paged-attention custom call: same contract as the jnp reference (float32 pages)."""
+"""The CPU paged-attention custom calls (float32 pages): `paged_attention` has the jnp
+reference's padded contract; `ragged_paged_attention` reads and writes the step's flat token
+layout directly, so a step that mixes prefill chunks with decode rows pays neither the
+`[S, Q]` padding copies nor attention over padding cells."""
 
 from __future__ import annotations
 
@@ -32,4 +35,43 @@ def paged_attention(
                context_lens.astype(jnp.int32), q_positions.astype(jnp.int32),
                scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0),
                window=np.int32(sliding_window or 0))
+    return out.astype(q.dtype)
+
+
+def ragged_paged_attention(
+    q: Float[Array, "T heads head_dim"],
+    k_pages: Float[Array, "blocks kv_heads block_size head_dim"],
+    v_pages: Float[Array, "blocks kv_heads block_size head_dim"],
+    block_tables: Int[Array, "S max_blocks"],
+    context_lens: Int[Array, "S"],
+    positions: Int[Array, "T"],
+    row_starts: Int[Array, "S"],
+    row_counts: Int[Array, "S"],
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> Float[Array, "T heads head_dim"]:
+    """Causal GQA attention for flat queries: row s owns tokens [row_starts[s],
+    row_starts[s] + row_counts[s]); tokens no row owns (padding) come back as zeros. Equal,
+    cell for cell, to `paged_attention` on the same rows padded to `[S, Q]`."""
+    t, h, d = q.shape
+    s = context_lens.shape[0]
+    if k_pages.ndim != 4 or k_pages.shape[3] != d or h % k_pages.shape[1]:
+        raise ValueError(f"ragged paged attention: q {q.shape} does not fit pages "
+                         f"{k_pages.shape}")
+    if (positions.shape != (t,) or row_starts.shape != (s,) or row_counts.shape != (s,)
+            or block_tables.shape[0] != s):
+        raise ValueError(f"ragged paged attention: positions {positions.shape}, row_starts "
+                         f"{row_starts.shape}, row_counts {row_counts.shape}, block_tables "
+                         f"{block_tables.shape} do not fit T={t}, S={s}")
+    if k_pages.dtype != jnp.float32:
+        raise ValueError(f"k_pages: the CPU kernel reads float32 pages, got {k_pages.dtype}")
+    call = jax.ffi.ffi_call("metrale_ragged_paged_attention",
+                            jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    i32 = jnp.int32
+    out = call(q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(i32),
+               context_lens.astype(i32), positions.astype(i32), row_starts.astype(i32),
+               row_counts.astype(i32), scale=np.float32(scale),
+               soft_cap=np.float32(soft_cap or 0.0), window=np.int32(sliding_window or 0))
     return out.astype(q.dtype)

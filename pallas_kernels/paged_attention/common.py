@@ -7,6 +7,7 @@ of a block are contiguous, so attention reads a page as a ready `[block_size, he
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import jax
 
@@ -14,6 +15,21 @@ from pallas_kernels._pallas import require
 
 # A finite mask value keeps fully masked rows (padding) finite instead of NaN.
 MASKED = -1e30
+
+
+class RaggedLayout(Protocol):
+    """How a ragged step lays out its tokens (the engine's `StepBatch` is one): flat tokens
+    `[T]`, each row's run of them contiguous, and a gather map into the padded `[S, Q]`
+    layout for kernels that want rows side by side."""
+    positions: jax.Array       # [T] position of each token in its sequence
+    gather_index: jax.Array    # [S, Q] flat token index of each padded cell (row start first)
+    gather_valid: jax.Array    # [S, Q] False for padding cells
+    block_tables: jax.Array    # [S, MB]
+    context_lens: jax.Array    # [S]
+
+    def to_padded(self, x: jax.Array) -> jax.Array: ...
+
+    def to_flat(self, x: jax.Array) -> jax.Array: ...
 
 
 @dataclasses.dataclass(frozen=True)
