@@ -120,12 +120,12 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
 
 def test_no_compilation_after_warmup(llm):
     counter = llm.runner.counter
-    before, jit_before = counter.count, llm.runner.step._jitted._cache_size()
+    before, jit_before = counter.count, llm.runner.step.cache_size()
     for batch in ([PROMPTS[0]], PROMPTS[:2], PROMPTS, PROMPTS[2:4], [PROMPTS[4]] * 3):
         llm.generate(batch, SamplingParams(temperature=0.7, seed=3, max_tokens=9,
                                            ignore_eos=True))
     assert counter.count == before
-    assert llm.runner.step._jitted._cache_size() == jit_before
+    assert llm.runner.step.cache_size() == jit_before
 
 
 def test_sampling_filters_compile_nothing_after_warmup(llm):

@@ -54,8 +54,12 @@ def first(store_dir):
     llm.engine.close()
 
 
-def test_first_start_files_one_program_per_step_shape(first, store_dir):
-    assert len(_entries(store_dir)) == len(first.runner.warmup_shapes())
+def test_first_start_files_one_program_per_step_shape_and_sampler(first, store_dir):
+    # Steps with prefill chunks sample in a program of their own, one per row count.
+    shapes = first.runner.warmup_shapes()
+    samplers = {shape.rows for shape in shapes if shape.query_len > 1}
+    assert samplers
+    assert len(_entries(store_dir)) == len(shapes) + len(samplers)
 
 
 def test_stored_programs_give_exactly_the_direct_results(first, direct):
@@ -66,7 +70,8 @@ def test_second_start_traces_no_step_and_compiles_nothing_after_warmup(first, st
                                                                       direct):
     with EventWatch(TRACE) as watch:
         llm = LLM(**ENGINE, program_cache=str(store_dir))
-    assert not any(name in ("_step", "flat_step") for name in watch.names), watch.names
+    assert not any(name in ("_forward", "_sample_rows", "flat_step")
+                   for name in watch.names), watch.names
     before = llm.runner.counter.count
     assert _outputs(llm) == direct
     assert llm.runner.counter.count == before

@@ -1,10 +1,19 @@
-"""The jitted ragged step: one pure function of (parameters, batch, sampling, caches).
+"""The jitted ragged step: pure functions of (parameters, batch, sampling, caches).
 
 The NNX model is split once into a graph definition and its parameter leaves; the step
 rebuilds the module inside the trace, so parameters are traced arguments (never closure
 constants) and a call costs one flat list of leaves. Caches are donated: XLA updates the
 KV pages and SSM slots in place; so are the per-slot tables (runner/slot_tables.py): the
 future-token cells, the token history the penalties read and the logit-bias entries.
+
+A step with prefill chunks is two programs dispatched back to back: the forward (the
+model, each row's logits, prompt scores) compiled per step shape, and the sampler compiled
+per row count only. The sampler (filters, penalties, random draws, top-n logprobs) is half
+of a shape's compile time, and the ~16 prefill shapes share 2 row counts: the split takes
+a quarter off warm-up for one more dispatch (~0.1 ms) in a step that computes for
+milliseconds. A pure decode step, where that dispatch would be a tenth of a small batch's
+step, samples inside its one program, as does the speculative step (its acceptance samples
+inside the verification).
 """
 
 from __future__ import annotations
@@ -75,6 +84,21 @@ class StepOutput:
     spec: SpecResult | None = None       # accepted counts and next drafts (speculative step)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardOutput:
+    """What the plain step's forward hands the sampler and the host."""
+
+    logits: Float[Array, "S V"]          # each row's logits at its last token, grammar-masked
+    hidden: Float[Array, "S D"] | None   # as StepOutput.hidden
+    prompt: PromptScores
+
+
+# The sampler's compile key: its rows and num_top only (no LoRA, no hidden read-back).
+def _sampler_options(options: StepOptions) -> StepOptions:
+    return StepOptions(num_top=options.num_top)
+
+
 class StepRunner:
     """Owns the split model and the jitted step; counts compiled variants.
 
@@ -95,27 +119,43 @@ class StepRunner:
             self._leaves = placement.place_params([p for p, _ in paths_leaves], self._leaves)
         self.counter = counter or CompileCounter()
         self.masks = MaskSource(model.cfg.vocab_size)
-        self._step = functools.partial(_step, graphdef, treedef)
-        self._jitted = None if placement is not None else jax.jit(
-            self._step, static_argnames=("layout", "options"),
-            donate_argnames=("caches", "tables"))
-        if store is not None and placement is None:  # later starts skip tracing
-            self._jitted = StoredStep(self._step, self._jitted, store, store_tag,
-                                      custom_calls=tuple(cpu_build.TARGETS))
+        self._step = functools.partial(_forward, graphdef, treedef)
+        self._sample = functools.partial(_sample_rows, vocab_size=model.cfg.vocab_size)
+        self._jitted = self._jitted_sample = None
+        if placement is None:
+            self._jitted = jax.jit(self._step, static_argnames=("layout", "options"),
+                                   donate_argnames=("caches", "tables"))
+            self._jitted_sample = jax.jit(self._sample, static_argnames=("layout", "options"),
+                                          donate_argnames=("tables",))
+            if store is not None:  # later starts skip tracing
+                calls = tuple(cpu_build.TARGETS)
+                self._jitted = StoredStep(self._step, self._jitted, store, store_tag,
+                                          donated=(2, 3), custom_calls=calls)
+                self._jitted_sample = StoredStep(self._sample, self._jitted_sample, store,
+                                                 f"sampler {store_tag}", donated=(2,))
 
-    def _sharded_step(self, caches: DeviceCaches):
-        """The tensor-parallel step, jitted once the caches' structure is known."""
+    def _sharded(self, caches: DeviceCaches):
+        """The tensor-parallel programs, jitted once the caches' structure is known: the
+        caches keep their shardings, everything else is replicated."""
         if self._jitted is None:
             rep = self.placement.replicated
             self._jitted = jax.jit(
                 self._step, static_argnames=("layout", "options"),
                 donate_argnames=("caches", "tables"),
                 out_shardings=(rep, self.placement.cache_shardings(caches), rep))
-        return self._jitted
+            self._jitted_sample = jax.jit(
+                self._sample, static_argnames=("layout", "options"),
+                donate_argnames=("tables",), out_shardings=(rep, rep))
+        return self._jitted, self._jitted_sample
 
     @property
     def params(self) -> list[jax.Array]:
         return self._leaves
+
+    def cache_size(self) -> int:
+        """Compiled entries of the step's programs, as `jax.jit` counts its own."""
+        return sum(f._cache_size() for f in (self._jitted, self._jitted_sample)
+                   if f is not None)
 
     def __call__(self, batch: StepBatch, sampling: SamplingArrays, targets: jax.Array | None,
                  caches: DeviceCaches, tables: SlotTables, options: StepOptions,
@@ -139,60 +179,106 @@ class StepRunner:
             raise ValueError("spec inputs go with a speculative step (spec_depth > 0) only")
         if (lora is not None) != options.lora:
             raise ValueError("LoRA slots go with a LoRA step (options.lora) only")
-        buffers, layout = pack((batch, sampling, targets, spec))
         if mask is None:  # one mask per position a row samples: k+1 in a speculative step
             mask = self.masks.none(batch.num_rows, options.spec_depth + 1)
+        forward, sampler = ((self._jitted, self._jitted_sample) if self.placement is None
+                            else self._sharded(caches))
+        if options.spec_depth or not samples_apart(batch):
+            buffers, layout = pack((batch, sampling, targets, spec))
+            buffers, mask = self._transfer((buffers, mask))
+            return forward(self._leaves, buffers, caches, tables, mask, lora,
+                           layout=layout, options=options)
+        buffers, layout = pack((batch, targets))
+        rows, row_layout = pack((sampling, batch.ssm_slots))
         # One transfer: the packed inputs and, for a constrained batch, its host masks (the
         # device constant of an unconstrained one is not copied again).
+        buffers, rows, mask = self._transfer((buffers, rows, mask))
+        out, caches, tables = forward(self._leaves, buffers, caches, tables, mask, lora,
+                                      layout=layout, options=options)
+        sample_options = _sampler_options(options)
+        self.counter.record(("sample", batch.num_rows, sample_options))
+        (sampled, ranks), tables = sampler(out.logits, rows, tables, layout=row_layout,
+                                           options=sample_options)
+        return StepOutput(sampled=sampled, ranks=ranks, hidden=out.hidden,
+                          prompt=out.prompt), caches, tables
+
+    def _transfer(self, tree):
         if self.placement is None:
-            buffers, mask = jax.device_put((buffers, mask))
-            jitted = self._jitted
-        else:  # a full copy on every device of the mesh
-            buffers, mask = self.placement.replicate((buffers, mask))
-            jitted = self._sharded_step(caches)
-        return jitted(self._leaves, buffers, caches, tables, mask, lora,
-                      layout=layout, options=options)
+            return jax.device_put(tree)
+        return self.placement.replicate(tree)  # a full copy on every device of the mesh
 
 
-def _step(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: DeviceCaches,
-          tables: SlotTables, mask: TokenMask, lora: LoraSlots | None, *, layout: Layout,
-          options: StepOptions) -> tuple[StepOutput, DeviceCaches, SlotTables]:
-    batch, sampling, targets, spec = unpack(buffers, layout)
+def samples_apart(batch: StepBatch) -> bool:
+    """Whether a plain step's rows are sampled by a program of their own: steps with
+    prefill chunks (a static property of the shape)."""
+    return batch.query_len > 1
+
+
+def _forward(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: DeviceCaches,
+             tables: SlotTables, mask: TokenMask, lora: LoraSlots | None, *, layout: Layout,
+             options: StepOptions,
+             ) -> tuple[StepOutput | ForwardOutput, DeviceCaches, SlotTables]:
+    """The model over the batch. A step with prefill chunks returns each row's logits for
+    `_sample_rows` (the tables' history updated, their future cells not yet); a decode step
+    samples here and a speculative one verifies, drafts and samples here, and both return
+    the whole StepOutput."""
+    inputs = unpack(buffers, layout)
+    if len(inputs) == 4:
+        batch, sampling, targets, spec = inputs
+    else:
+        batch, targets = inputs
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     # Tokens still on the device from the previous step arrive as -slot placeholders.
     ids = batch.token_ids
     batch = dataclasses.replace(batch, token_ids=jnp.where(
         ids < 0, tables.future[jnp.maximum(-ids, 0)], ids))
     # Recorded before sampling: a row's penalties see its tokens up to this step's end.
-    slot_sampling = dataclasses.replace(
-        tables.sampling, history=record_tokens(tables.sampling.history, batch))
+    tables = dataclasses.replace(tables, sampling=dataclasses.replace(
+        tables.sampling, history=record_tokens(tables.sampling.history, batch)))
     # Padding tokens read row 0's slot: their outputs are dropped anyway.
     adapters = lora.inputs(batch.adapter_slots[batch.token_row]) if options.lora else None
-    result = None
     if options.spec_depth:
         hidden, sampled, ranks, result, caches = verify_and_draft(
-            model, batch, sampling, slot_sampling, spec, caches, mask,
+            model, batch, sampling, tables.sampling, spec, caches, mask,
             depth=options.spec_depth, num_top=options.num_top, lora=adapters)
         # The future cell gets each row's last emitted token.
         newest = jnp.take_along_axis(sampled.tokens.reshape(batch.num_rows, -1),
                                      result.accepted[:, None], axis=1)[:, 0]
+        tables = dataclasses.replace(tables, future=tables.future.at[batch.ssm_slots].set(
+            newest))
     else:
         hidden, caches = model(batch, caches, adapters)
         # Grammar masks before everything that reads the distribution: sampling, the
         # reported logprobs and ranks (as vLLM, whose logprobs are those of the masked
         # logits).
         logits = apply_token_mask(model.logits(hidden[batch.sample_index]), mask)
-        sampled = sample(logits, sampling, slot_sampling, num_top=options.num_top,
-                         apply_filters=True, vocab_size=model.cfg.vocab_size)
-        ranks, newest = token_ranks(logits, sampled.tokens), sampled.tokens
     prompt = jax.lax.cond(jnp.any(targets >= 0),
                           lambda: _score_prompt(model, hidden, targets, options.num_top),
                           lambda: _no_scores(hidden.shape[0], options.num_top))
-    tables = SlotTables(future=tables.future.at[batch.ssm_slots].set(newest),
-                        sampling=slot_sampling)
     last = hidden[batch.sample_index] if options.return_hidden else None
-    return StepOutput(sampled=sampled, ranks=ranks, hidden=last, prompt=prompt,
-                      spec=result), caches, tables
+    if options.spec_depth:
+        return StepOutput(sampled=sampled, ranks=ranks, hidden=last, prompt=prompt,
+                          spec=result), caches, tables
+    if samples_apart(batch):
+        return ForwardOutput(logits=logits, hidden=last, prompt=prompt), caches, tables
+    (sampled, ranks), tables = _sample_rows(logits, (sampling, batch.ssm_slots), tables,
+                                            options=options,
+                                            vocab_size=model.cfg.vocab_size)
+    return StepOutput(sampled=sampled, ranks=ranks, hidden=last, prompt=prompt), caches, tables
+
+
+def _sample_rows(logits: Float[Array, "S V"], rows, tables: SlotTables, *,
+                 layout: Layout | None = None, options: StepOptions, vocab_size: int,
+                 ) -> tuple[tuple[SampleResult, Int[Array, "S"]], SlotTables]:
+    """One token per row from the forward's logits; each row's token goes to its future
+    cell (the async pipeline's hand-off). `rows`: (SamplingArrays, slots [S]), packed
+    when `layout` is given (the sampler's own program)."""
+    sampling, slots = rows if layout is None else unpack(rows, layout)
+    sampled = sample(logits, sampling, tables.sampling, num_top=options.num_top,
+                     apply_filters=True, vocab_size=vocab_size)
+    ranks = token_ranks(logits, sampled.tokens)
+    tables = dataclasses.replace(tables, future=tables.future.at[slots].set(sampled.tokens))
+    return (sampled, ranks), tables
 
 
 def _score_prompt(model: HybridLM, hidden: Float[Array, "T D"], targets: Int[Array, "T"],

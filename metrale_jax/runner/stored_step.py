@@ -26,22 +26,20 @@ from metrale_jax.runner.program_store import ProgramStore
 
 logger = logging.getLogger(__name__)
 
-# Positions of the step's donated arguments: (leaves, buffers, caches, tables).
-DONATED_ARGS = (2, 3)
-
-
 class StoredStep:
-    """Drop-in for the jitted step `fun(leaves, buffers, caches, tables, mask, lora, *,
-    layout, options)`: one jitted call of a stored program per (layout, options), i.e. per
-    shape and variant. The store key holds the options (`lora=True` or not) and the
-    argument structure (LoRA slots or None), so a LoRA program and a plain one never mix."""
+    """Drop-in for a jitted program of the step `fun(*args, layout, options)` (the forward:
+    `(leaves, buffers, caches, tables, mask, lora)`; the sampler: `(logits, buffers,
+    tables)`): one jitted call of a stored program per (layout, options), i.e. per shape
+    and variant. The store key holds the options (`lora=True` or not) and the argument
+    structure (LoRA slots or None), so a LoRA program and a plain one never mix."""
 
     def __init__(self, fun: Callable, fallback: Callable, store: ProgramStore, tag: str,
-                 custom_calls: tuple[str, ...] = ()):
-        self._fun = fun              # the pure step, not jitted
-        self._fallback = fallback    # the plain jitted step, for a variant that cannot export
+                 donated: tuple[int, ...], custom_calls: tuple[str, ...] = ()):
+        self._fun = fun              # the pure program, not jitted
+        self._fallback = fallback    # the plain jitted one, for a variant that cannot export
         self._store = store
-        self._tag = tag              # the model: its config and kernel choice
+        self._tag = tag              # which program, and the model: config, kernel choice
+        self._donated = donated      # positions of the donated arguments
         self._custom_calls = custom_calls  # our own FFI targets, exportable on this machine
         self._variants: dict[tuple, Callable | None] = {}
 
@@ -60,7 +58,7 @@ class StoredStep:
 
     def _build(self, args: tuple, layout, options) -> Callable | None:
         flat, in_tree = jax.tree.flatten(args)
-        donated = _donated_positions(args)
+        donated = _donated_positions(args, self._donated)
         key = self._key(flat, in_tree, layout, options, donated)
         loaded = self._load(key)
         if loaded is None:
@@ -77,7 +75,7 @@ class StoredStep:
             # Traced once per variant; jit's C++ path flattens the arguments on each call.
             return jax.tree.unflatten(out_tree, exported.call(*jax.tree.leaves(structured)))
 
-        return jax.jit(call_stored, donate_argnums=DONATED_ARGS)
+        return jax.jit(call_stored, donate_argnums=self._donated)
 
     def _save(self, key: str, exported, out_tree) -> None:
         try:  # serialization needs `flatbuffers`; without it this start still runs
@@ -122,12 +120,12 @@ class StoredStep:
                           f"donated {list(donated)}", f"avals {avals}"])
 
 
-def _donated_positions(args: tuple) -> tuple[int, ...]:
+def _donated_positions(args: tuple, donated: tuple[int, ...]) -> tuple[int, ...]:
     """Flat indices of the leaves of the donated arguments."""
     start, positions = 0, []
     for i, arg in enumerate(args):
         n = len(jax.tree.leaves(arg))
-        if i in DONATED_ARGS:
+        if i in donated:
             positions.extend(range(start, start + n))
         start += n
     return tuple(positions)
