@@ -34,13 +34,15 @@ class StoredStep:
     structure (LoRA slots or None), so a LoRA program and a plain one never mix."""
 
     def __init__(self, fun: Callable, fallback: Callable, store: ProgramStore, tag: str,
-                 donated: tuple[int, ...], custom_calls: tuple[str, ...] = ()):
+                 donated: tuple[int, ...], custom_calls: tuple[str, ...] = (),
+                 compiler_options: dict | None = None):
         self._fun = fun              # the pure program, not jitted
         self._fallback = fallback    # the plain jitted one, for a variant that cannot export
         self._store = store
         self._tag = tag              # which program, and the model: config, kernel choice
         self._donated = donated      # positions of the donated arguments
         self._custom_calls = custom_calls  # our own FFI targets, exportable on this machine
+        self._compiler_options = compiler_options  # XLA options, as the fallback's
         self._variants: dict[tuple, Callable | None] = {}
 
     def __call__(self, *args, layout, options):
@@ -75,7 +77,8 @@ class StoredStep:
             # Traced once per variant; jit's C++ path flattens the arguments on each call.
             return jax.tree.unflatten(out_tree, exported.call(*jax.tree.leaves(structured)))
 
-        return jax.jit(call_stored, donate_argnums=self._donated)
+        return jax.jit(call_stored, donate_argnums=self._donated,
+                       compiler_options=self._compiler_options)
 
     def _save(self, key: str, exported, out_tree) -> None:
         try:  # serialization needs `flatbuffers`; without it this start still runs

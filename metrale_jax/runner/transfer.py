@@ -10,6 +10,7 @@ it only changes when the bucket does).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -24,9 +25,13 @@ class Layout:
     entries: tuple[tuple[str, int, tuple[int, ...], str], ...]
 
 
-def _carrier(dtype: np.dtype) -> np.dtype:
-    # bool travels as uint8; everything else in its own dtype.
-    return np.dtype(np.uint8) if dtype == np.bool_ else dtype
+@functools.cache
+def _carrier(dtype: np.dtype) -> tuple[np.dtype, str, str]:
+    """(carrier dtype, its name, the leaf dtype's name): bool travels as uint8, everything
+    else in its own dtype. Cached: `dtype.name` costs microseconds, and a step packs ~25
+    leaves on the host's critical path."""
+    carrier = np.dtype(np.uint8) if dtype == np.bool_ else dtype
+    return carrier, carrier.name, dtype.name
 
 
 def pack(tree: Any) -> tuple[dict[str, np.ndarray], Layout]:
@@ -36,12 +41,11 @@ def pack(tree: Any) -> tuple[dict[str, np.ndarray], Layout]:
     entries = []
     for leaf in leaves:
         host = np.asarray(leaf)
-        carrier = _carrier(host.dtype)
-        key = carrier.name
+        carrier, key, name = _carrier(host.dtype)
         offset = sizes.get(key, 0)
         parts.setdefault(key, []).append(host.reshape(-1).astype(carrier, copy=False))
         sizes[key] = offset + host.size
-        entries.append((key, offset, host.shape, host.dtype.name))
+        entries.append((key, offset, host.shape, name))
     buffers = {k: np.concatenate(v) if v else np.zeros(0, k) for k, v in parts.items()}
     return buffers, Layout(treedef, tuple(entries))
 
