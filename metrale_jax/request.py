@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from metrale_jax.grammar.params import StructuredOutputsParams
     from metrale_jax.sequence import Sequence as Seq
 
+# float32's smallest normal value: the device flushes anything smaller (but 0) to 0.
+_F32_TINY = 1.1754943508222875e-38
+
 
 class RequestError(ValueError):
     """A request is invalid; raised where it enters, naming the field."""
@@ -78,6 +81,11 @@ class SamplingParams:
             bad("n", f"must be an integer >= 1, got {self.n!r}")
         if not 0.0 <= self.temperature <= 100.0:
             bad("temperature", f"must be in [0, 100], got {self.temperature}")
+        # The device computes in float32, whose flush-to-zero makes a smaller nonzero value
+        # 0: logits / 0 is NaN where a logit is 0 or masked, and a NaN wins the argmax.
+        if 0.0 < self.temperature < _F32_TINY:
+            bad("temperature", f"must be 0 (greedy) or at least {_F32_TINY:.3g} (float32's "
+                               f"smallest normal), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -88,8 +96,9 @@ class SamplingParams:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if not _F32_TINY <= self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", f"must be in (0, 10] and a normal float32 (at least "
+                                      f"{_F32_TINY:.3g}), got {self.repetition_penalty}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 1):
             bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")

@@ -159,7 +159,8 @@ def _sampling_fields(limits: P.Limits) -> dict:
         "seed": _null(_int(*P.SEED_RANGE)),
         "presence_penalty": _null(_num(-2.0, 2.0)),
         "frequency_penalty": _null(_num(-2.0, 2.0)),
-        "repetition_penalty": _null(_num(0.0, 10.0, open_lo=True)),
+        # float32's smallest normal: below it the device would compute with 0.
+        "repetition_penalty": _null(_num(1.1754943508222875e-38, 10.0)),
         "logit_bias": _null({"type": "object", "propertyNames": {"pattern": r"^\s*[0-9]+\s*$"},
                              "additionalProperties": _num(-P.MAX_LOGIT_BIAS, P.MAX_LOGIT_BIAS),
                              "description": f"token id -> bias; ids below {limits.vocab_size}; "

@@ -275,6 +275,29 @@ def test_make_llama_checkpoint(tiny_llama):
         4 * 64 * 64 // 1 - 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
 
 
+def test_make_llama_bfloat16_is_the_same_model_rounded(tmp_path, tiny_llama):
+    from safetensors.numpy import load_file
+
+    from metrale_jax.bench.compare import gguf_outtype
+
+    out = tmp_path / "llama-tiny-bf16"
+    text_file = tiny_llama.parent / "spm-text.txt"
+    assert main(["bench", "make-llama", str(out), "--preset", "llama-tiny",
+                 "--text", str(text_file), "--dtype", "bfloat16"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg.get("dtype") or cfg.get("torch_dtype")) == "bfloat16"
+    import torch
+    from safetensors.torch import load_file as load_torch
+
+    f32, bf16 = load_file(tiny_llama / "model.safetensors"), load_torch(out / "model.safetensors")
+    assert set(f32) == set(bf16) and all(t.dtype == torch.bfloat16 for t in bf16.values())
+    for name, w in f32.items():
+        assert np.array_equal(torch.from_numpy(w).to(torch.bfloat16).float().numpy(),
+                              bf16[name].float().numpy()), name
+    # llama.cpp gets the checkpoint's own dtype, as ours and transformers do.
+    assert gguf_outtype(str(tiny_llama)) == "f32" and gguf_outtype(str(out)) == "bf16"
+
+
 def test_bench_throughput_transformers_peer_smoke(tmp_path, tiny_llama):
     rec = _run(["throughput", "--model", str(tiny_llama), "--engine", "transformers",
                 "--num-prompts", "3", "--concurrency", "2", "--input-len", "6",

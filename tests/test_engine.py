@@ -112,6 +112,9 @@ def test_bad_requests_name_the_field(llm, prompt, params, field):
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
     (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
     (dict(stop=[""]), "stop"), (dict(n=0), "n"),
+    # Nonzero but below float32's smallest normal: 0 on the device, and NaN logits.
+    (dict(repetition_penalty=5e-324), "repetition_penalty"),
+    (dict(temperature=1e-45), "temperature"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(RequestError, match=field):

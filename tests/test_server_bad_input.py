@@ -116,6 +116,10 @@ CASES = [
      "presence_penalty", "[-2, 2]"),
     ("repetition-penalty-zero", "post", CMPL, {**OK, "repetition_penalty": 0}, None, 400,
      "repetition_penalty", "(0, 10]"),
+    # Found by the fuzzer: 0 on the device, NaN logits past a grammar mask.
+    ("repetition-penalty-subnormal", "post", CMPL,
+     {**OK, "repetition_penalty": 5e-324, "guided_json": {}}, None, 400,
+     "repetition_penalty", "normal float32"),
     ("seed-string", "post", CMPL, {**OK, "seed": "abc"}, None, 400, "seed", "integer"),
     ("stop-not-strings", "post", CMPL, {**OK, "stop": [1]}, None, 400, "stop", "string"),
     ("logit-bias-bad-key", "post", CMPL, {**OK, "logit_bias": {"abc": 1}}, None, 400,

@@ -60,8 +60,13 @@ def corpus_text(text_file: str | None) -> str:
 
 
 def make_llama_checkpoint(out_dir: str | pathlib.Path, preset: str = "llama-50m", *,
-                          text_file: str | None = None, seed: int = 0) -> pathlib.Path:
-    """Write config.json, model.safetensors, tokenizer.model and tokenizer.json to `out_dir`."""
+                          text_file: str | None = None, seed: int = 0,
+                          dtype: str = "float32") -> pathlib.Path:
+    """Write config.json, model.safetensors, tokenizer.model and tokenizer.json to `out_dir`.
+    `dtype` ("float32" or "bfloat16"): the stored weights'; the same seed gives the same
+    weights, rounded, in either (so an f32 and a bf16 comparison run one model)."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype: must be 'float32' or 'bfloat16', got {dtype!r}")
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
 
@@ -78,12 +83,12 @@ def make_llama_checkpoint(out_dir: str | pathlib.Path, preset: str = "llama-50m"
         intermediate_size=p.intermediate_size, num_hidden_layers=p.num_layers,
         num_attention_heads=p.num_heads, num_key_value_heads=p.num_kv_heads,
         max_position_embeddings=p.max_position_embeddings, rope_theta=10000.0,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype=dtype)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     with torch.no_grad():
         model.lm_head.weight[unstreamable_ids(out / "tokenizer.model")] = 0.0
-    model.save_pretrained(out, safe_serialization=True)
+    model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
     return out
 
 

@@ -234,7 +234,8 @@ def _make_nemotronh(args) -> int:
 def _make_llama(args) -> int:
     from metrale_jax.bench.checkpoint import count_parameters, make_llama_checkpoint
 
-    out = make_llama_checkpoint(args.out, args.preset, text_file=args.text, seed=args.seed)
+    out = make_llama_checkpoint(args.out, args.preset, text_file=args.text, seed=args.seed,
+                                dtype=args.dtype)
     print(f"wrote {out} ({count_parameters(out) / 1e6:.1f}M parameters)")
     return 0
 
@@ -387,6 +388,8 @@ def add_parser(sub) -> None:
     p.add_argument("--text", default=None, help="tokenizer training text (default: the "
                    "built-in model's Shakespeare corpus)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the stored weights' dtype (same seed: same weights, rounded)")
     p.set_defaults(func=_make_llama)
 
     p = cmds.add_parser("make-nemotronh", help="make a NemotronH-shaped hybrid HF checkpoint "

@@ -155,8 +155,22 @@ def prepare_gguf(spec: CompareSpec) -> str | None:
     llamacpp.find_llama_server(spec.llama_server)
     if spec.gguf is not None:
         return spec.gguf
-    return str(llamacpp.convert_to_gguf(spec.checkpoint, outtype="f32",
+    return str(llamacpp.convert_to_gguf(spec.checkpoint, outtype=gguf_outtype(spec.checkpoint),
                                         source=spec.llama_src))
+
+
+# The checkpoint's stored dtype -> the GGUF type that keeps it: the same weights and dtype
+# on both sides (what ours and transformers load with dtype "auto").
+GGUF_OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def gguf_outtype(checkpoint: str) -> str:
+    cfg = json.loads((pathlib.Path(checkpoint) / "config.json").read_text())
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    if dtype not in GGUF_OUTTYPES:
+        raise ValueError(f"{checkpoint}: dtype {dtype!r} has no GGUF type here "
+                         f"(one of {sorted(GGUF_OUTTYPES)})")
+    return GGUF_OUTTYPES[dtype]
 
 
 def run_compare(spec: CompareSpec) -> dict:
