@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._pallas import next_pow2
-from pallas_kernels.cpu import build as cpu_build, paged_attention as cpu_attention
+from pallas_kernels.cpu import (build as cpu_build, paged_attention as cpu_attention,
+                                small_matmul as cpu_matmul)
 from pallas_kernels.mtp import kernel as mtp_kernel, reference as mtp_reference
 from pallas_kernels.paged_attention import kernel as attn_kernel, reference as attn_reference
 from pallas_kernels.ssm_scan import kernel as ssd_kernel, reference as ssd_reference
@@ -46,6 +47,20 @@ class KernelOps:
         if not self.use_pallas:
             return "cpu" if self.cpu_kernels else "xla"
         return "pallas-interpret" if self.interpret else "pallas"
+
+    def linear(self, layer, x):
+        """`layer(x)` (an nnx.Linear, kernel [in, out]). With the CPU kernels, a bf16 layer
+        applied to a few rows runs the small-matmul custom call: XLA:CPU has no bf16
+        matrix-vector path (~10x slower than reading the weights once); f32 stays on XLA,
+        whose dot is as fast as the kernel there."""
+        kernel = layer.kernel[...]
+        if (self.cpu_kernels and kernel.dtype == jnp.bfloat16
+                and cpu_matmul.supports(x.shape[0], kernel.dtype)):
+            y = cpu_matmul.small_matmul(x, kernel)
+            if layer.bias is not None:
+                y = y + layer.bias[...].astype(jnp.float32)
+            return y.astype(layer.dtype)
+        return layer(x)
 
     def write_kv_pages(self, k_pages, v_pages, k, v, slot_mapping):
         if not self._kernel_fits(k_pages.shape[1] * k_pages.shape[3]):

@@ -34,9 +34,9 @@ class Attention(nnx.Module):
         cfg = self.cfg
         t = x.shape[0]
         dq, dk, dv = group_deltas(lora, "qkv", x, ("q_proj", "k_proj", "v_proj"))
-        q = project(self.q_proj, x, dq).reshape(t, cfg.num_heads, cfg.head_dim)
-        k = project(self.k_proj, x, dk).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = project(self.v_proj, x, dv).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        q = project(self.q_proj, x, dq, self.ops).reshape(t, cfg.num_heads, cfg.head_dim)
+        k = project(self.k_proj, x, dk, self.ops).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = project(self.v_proj, x, dv, self.ops).reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.use_rope:
@@ -48,4 +48,4 @@ class Attention(nnx.Module):
                                               scale=cfg.head_dim ** -0.5)
         out = out.reshape(t, cfg.num_heads * cfg.head_dim)
         (do,) = group_deltas(lora, "o", out, ("o_proj",))
-        return project(self.o_proj, out, do), (k_pages, v_pages)
+        return project(self.o_proj, out, do, self.ops), (k_pages, v_pages)

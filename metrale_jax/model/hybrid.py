@@ -99,8 +99,7 @@ class HybridLM(nnx.Module):
         with the same methods: parallel/ops.py runs them per shard); split the model after."""
         self.ops = ops
         for block in [*self.blocks, *(b for m in self.mtp for b in m.blocks)]:
-            if block.kind in ("A", "M"):
-                block.mixer.ops = ops
+            block.mixer.ops = ops  # attention, Mamba2 and MLP mixers alike
         return ops
 
     def __call__(self, batch: StepBatch, caches: DeviceCaches, lora: LoraInputs | None = None,
@@ -128,7 +127,7 @@ class HybridLM(nnx.Module):
             logits = jnp.dot(hidden, self.embed.embedding[...].T,
                              preferred_element_type=jnp.float32).astype(jnp.float32)
         else:
-            logits = self.lm_head(hidden).astype(jnp.float32)
+            logits = self.ops.linear(self.lm_head, hidden).astype(jnp.float32)
         if self.logits_sharding is not None:
             # One all-gather of [N, V] rows; the sampler's sorts and top-k then run whole
             # on every device (XLA:CPU cannot partition a top-k over a split vocabulary).

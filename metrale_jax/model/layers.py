@@ -70,6 +70,7 @@ class MLP(nnx.Module):
     """Gated SiLU (Llama, Qwen3) or the plain squared-ReLU MLP (NemotronH)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.ops = None  # static: which kernels (HybridLM.use_kernels); None: plain dots
         self.kind = cfg.mlp_kind
         d, f = cfg.hidden_size, cfg.intermediate_size
         if self.kind == "gated_silu":
@@ -81,9 +82,10 @@ class MLP(nnx.Module):
                  ) -> Float[Array, "T D"]:
         if self.kind == "gated_silu":
             d_gate, d_up = group_deltas(lora, "gate_up", x, ("gate_proj", "up_proj"))
-            h = jax.nn.silu(project(self.gate_proj, x, d_gate)) * project(self.up_proj, x, d_up)
+            h = (jax.nn.silu(project(self.gate_proj, x, d_gate, self.ops))
+                 * project(self.up_proj, x, d_up, self.ops))
         else:
             (d_up,) = group_deltas(lora, "gate_up", x, ("up_proj",))
-            h = jnp.square(jax.nn.relu(project(self.up_proj, x, d_up)))
+            h = jnp.square(jax.nn.relu(project(self.up_proj, x, d_up, self.ops)))
         (d_down,) = group_deltas(lora, "down", h, ("down_proj",))
-        return project(self.down_proj, h, d_down)
+        return project(self.down_proj, h, d_down, self.ops)

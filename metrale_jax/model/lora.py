@@ -99,7 +99,9 @@ def group_deltas(lora: BlockLora | None, group: str, x: Float[Array, "T I"],
 
 
 def project(linear: nnx.Linear, x: Float[Array, "T I"], delta: Float[Array, "T O"] | None,
-            ) -> Float[Array, "T O"]:
-    """`linear(x)`, plus the tokens' adapter output `delta` when there is one."""
-    y = linear(x).astype(linear.dtype)  # a 16-bit layer accumulates in f32 (layers.linear)
+            ops=None) -> Float[Array, "T O"]:
+    """`linear(x)`, plus the tokens' adapter output `delta` when there is one. `ops`: the
+    module's KernelOps (static), which may run small-batch matmuls as a custom call."""
+    # A 16-bit layer accumulates in f32 (layers.linear).
+    y = (ops.linear(linear, x) if ops is not None else linear(x)).astype(linear.dtype)
     return y if delta is None else y + delta.astype(y.dtype)

@@ -88,7 +88,7 @@ class Mamba2Mixer(nnx.Module):
         inner, h, p = cfg.mamba_inner, cfg.mamba_num_heads, cfg.mamba_head_dim
         g, n = cfg.mamba_groups, cfg.ssm_state_size
         (d_in,) = group_deltas(lora, "in", x, ("in_proj",))
-        z, xbc, dt = jnp.split(project(self.in_proj, x, d_in),
+        z, xbc, dt = jnp.split(project(self.in_proj, x, d_in, self.ops),
                                [inner, inner + cfg.conv_dim], axis=-1)
 
         conv_pool, ssm_pool = state
@@ -141,7 +141,7 @@ class Mamba2Mixer(nnx.Module):
         y = batch.to_flat(y.reshape(s, q, inner).astype(x.dtype))
         gated = self.norm(y, z)
         (d_out,) = group_deltas(lora, "out", gated, ("out_proj",))
-        out = project(self.out_proj, gated, d_out)
+        out = project(self.out_proj, gated, d_out, self.ops)
 
         conv_pool = set_rows(conv_pool, slots, conv_tail)
         ssm_pool = set_rows(ssm_pool, slots, new_ssm)

@@ -36,6 +36,10 @@ class ShardedOps:
     def name(self) -> str:
         return f"{self.inner.name}-tp{self.tp}"
 
+    def linear(self, layer, x):
+        """Projections stay plain dots under tensor parallelism: XLA partitions them."""
+        return layer(x)
+
     @property
     def tp(self) -> int:
         return self.mesh.shape["tp"]

@@ -33,7 +33,9 @@ LINK_FLAGS = ["-shared", "-lmvec", "-lm"]
 FLAGS = COMPILE_FLAGS + LINK_FLAGS
 # name in XLA -> symbol in the library
 TARGETS = {"metrale_paged_attention": "MetralePagedAttention",
-           "metrale_ragged_paged_attention": "MetraleRaggedPagedAttention"}
+           "metrale_ragged_paged_attention": "MetraleRaggedPagedAttention",
+           "metrale_small_matmul_f32": "MetraleSmallMatmulF32",
+           "metrale_small_matmul_bf16": "MetraleSmallMatmulBf16"}
 
 
 def _cpu_flags() -> str:

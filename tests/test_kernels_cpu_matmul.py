@@ -1,0 +1,77 @@
+"""The small-batch matmul custom call (XLA:CPU): `x @ w` for up to 4 rows of bf16 or f32
+weights against an f32 numpy product, tile widths and column tails, several independent
+calls in one program (XLA runs them at once on its pool), and the routing: a bf16 layer on
+a few rows goes through it, anything else stays a plain dot."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pallas_kernels.backend import CPU, XLA
+from pallas_kernels.cpu import build
+from pallas_kernels.cpu.small_matmul import MAX_ROWS, small_matmul, supports
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU custom call")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def library():
+    if build.load() is None:
+        pytest.fail("the CPU kernel library did not build: see the logged reason")
+
+
+def _exact(x: np.ndarray, w) -> np.ndarray:
+    return np.asarray(x, np.float64) @ np.asarray(jnp.asarray(w, jnp.float32), np.float64)
+
+
+# Widths: whole 256/128/64-column tiles, tails of a few columns, a band split across threads.
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("m, k, n", [(1, 64, 256), (1, 33, 300), (2, 128, 129), (3, 96, 200),
+                                     (4, 512, 1536), (4, 7, 5), (1, 512, 8000)])
+def test_small_matmul_equals_the_product(dtype, m, k, n):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((k, n)), dtype)
+    got = np.asarray(jax.jit(small_matmul)(jnp.asarray(x), w))
+    assert got.shape == (m, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, _exact(x, w), rtol=1e-5, atol=1e-4 * np.sqrt(k))
+
+
+def test_independent_calls_in_one_program():
+    # XLA runs independent custom calls concurrently on its pool threads; a kernel that
+    # waited for its own helpers to start there would deadlock.
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((1, 512)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal((512, 1024)), jnp.bfloat16) for _ in range(8)]
+    got = jax.jit(lambda x, ws: [small_matmul(x, w) for w in ws])(x, ws)
+    for g, w in zip(got, ws):
+        np.testing.assert_allclose(np.asarray(g), _exact(np.asarray(x), w), rtol=1e-5,
+                                   atol=1e-3)
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="do not fit"):
+        small_matmul(jnp.zeros((1, 4)), jnp.zeros((5, 3), jnp.bfloat16))
+    with pytest.raises(ValueError, match="rows"):
+        small_matmul(jnp.zeros((MAX_ROWS + 1, 4)), jnp.zeros((4, 3), jnp.bfloat16))
+    assert not supports(2, jnp.float16)
+
+
+@pytest.mark.parametrize("rows, dtype, routed", [(1, jnp.bfloat16, True),
+                                                 (MAX_ROWS, jnp.bfloat16, True),
+                                                 (MAX_ROWS + 1, jnp.bfloat16, False),
+                                                 (1, jnp.float32, False)])
+def test_routing(rows, dtype, routed):
+    layer = nnx.Linear(48, 80, use_bias=True, dtype=dtype, param_dtype=dtype,
+                       preferred_element_type=jnp.float32, rngs=nnx.Rngs(0))
+    layer.bias[...] = jnp.linspace(-1, 1, 80).astype(dtype)
+    x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 48)), dtype)
+    text = jax.jit(lambda x: CPU.linear(layer, x)).lower(x).as_text()
+    assert ("metrale_small_matmul" in text) == routed
+    got = np.asarray(CPU.linear(layer, x), np.float32)
+    want = np.asarray(XLA.linear(layer, x), np.float32)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
