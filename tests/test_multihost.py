@@ -128,7 +128,12 @@ def _run_all(commands: dict[str, tuple[list[str], dict]], tmp: pathlib.Path) -> 
             failed = next((n for n, (p, _) in procs.items() if p.poll()), None)
             if failed or time.monotonic() > deadline:
                 break
-            time.sleep(0.5)
+            running = next((p for p, _ in procs.values() if p.poll() is None), None)
+            try:  # wake when a process exits, or every half second to check the others
+                if running is not None:
+                    running.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
         failed = failed or next((n for n, (p, _) in procs.items() if p.poll()), None)
     finally:
         for p, log in procs.values():
