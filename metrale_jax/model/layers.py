@@ -9,6 +9,7 @@ from jaxtyping import Array, Float
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.lora import BlockLora, group_deltas, project
+from pallas_kernels.backend import XLA
 
 
 def dtype_of(cfg: ModelConfig) -> jnp.dtype:
@@ -70,7 +71,7 @@ class MLP(nnx.Module):
     """Gated SiLU (Llama, Qwen3) or the plain squared-ReLU MLP (NemotronH)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.ops = None  # static: which kernels (HybridLM.use_kernels); None: plain dots
+        self.ops = XLA  # static: which kernels (HybridLM.use_kernels)
         self.kind = cfg.mlp_kind
         d, f = cfg.hidden_size, cfg.intermediate_size
         if self.kind == "gated_silu":

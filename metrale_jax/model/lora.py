@@ -99,9 +99,8 @@ def group_deltas(lora: BlockLora | None, group: str, x: Float[Array, "T I"],
 
 
 def project(linear: nnx.Linear, x: Float[Array, "T I"], delta: Float[Array, "T O"] | None,
-            ops=None) -> Float[Array, "T O"]:
-    """`linear(x)`, plus the tokens' adapter output `delta` when there is one. `ops`: the
-    module's KernelOps (static), which may run small-batch matmuls as a custom call."""
-    # A 16-bit layer accumulates in f32 (layers.linear).
-    y = (ops.linear(linear, x) if ops is not None else linear(x)).astype(linear.dtype)
+            ops) -> Float[Array, "T O"]:
+    """`linear(x)` through the module's `ops` (its KernelOps, static: small-batch matmuls
+    may run as a custom call), plus the tokens' adapter output `delta` when there is one."""
+    y = ops.linear(linear, x).astype(linear.dtype)  # 16-bit layers accumulate in f32
     return y if delta is None else y + delta.astype(y.dtype)

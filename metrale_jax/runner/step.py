@@ -237,6 +237,8 @@ def _forward(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: D
     samples here and a speculative one verifies, drafts and samples here, and both return
     the whole StepOutput."""
     inputs = unpack(buffers, layout)
+    # A step that samples here carries (batch, sampling, targets, spec); one sampled apart
+    # carries (batch, targets): its sampling values go to `_sample_rows`.
     if len(inputs) == 4:
         batch, sampling, targets, spec = inputs
     else:
