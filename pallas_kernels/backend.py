@@ -49,13 +49,11 @@ class KernelOps:
         return "pallas-interpret" if self.interpret else "pallas"
 
     def linear(self, layer, x):
-        """`layer(x)` (an nnx.Linear, kernel [in, out]). With the CPU kernels, a bf16 layer
-        applied to a few rows runs the small-matmul custom call: XLA:CPU has no bf16
-        matrix-vector path (~10x slower than reading the weights once); f32 stays on XLA,
-        whose dot is as fast as the kernel there."""
+        """`layer(x)` (an nnx.Linear, kernel [in, out]). With the CPU kernels, a layer
+        applied to a few rows runs the small-matmul custom call where it streams the
+        weights faster than XLA (`small_matmul.takes`: bf16 always, large f32 layers)."""
         kernel = layer.kernel[...]
-        if (self.cpu_kernels and kernel.dtype == jnp.bfloat16
-                and cpu_matmul.supports(x.shape[0], kernel.dtype)):
+        if self.cpu_kernels and cpu_matmul.takes(x.shape[0], kernel):
             y = cpu_matmul.small_matmul(x, kernel)
             if layer.bias is not None:
                 y = y + layer.bias[...].astype(jnp.float32)

@@ -1,7 +1,8 @@
 """The small-batch matmul custom call (XLA:CPU): `x @ w` for up to 4 rows of bf16 or f32
-weights against an f32 numpy product, tile widths and column tails, several independent
-calls in one program (XLA runs them at once on its pool), and the routing: a bf16 layer on
-a few rows goes through it, anything else stays a plain dot."""
+weights against an f64 numpy product, tile widths and column tails, f32 K slabs with odd
+row counts, several independent calls in one program (XLA runs them at once, so all but one
+find the crew busy), many calls in a row (the crew's job hand-over), and the routing: a
+bf16 layer or a large f32 one on a few rows goes through it, anything else stays a dot."""
 
 from __future__ import annotations
 
@@ -28,10 +29,12 @@ def _exact(x: np.ndarray, w) -> np.ndarray:
     return np.asarray(x, np.float64) @ np.asarray(jnp.asarray(w, jnp.float32), np.float64)
 
 
-# Widths: whole 256/128/64-column tiles, tails of a few columns, a band split across threads.
+# Widths: whole 256/128/64-column tiles, tails of a few columns, a band split across threads;
+# f32 from 2^18 weights on: K slabs, with an odd K and a column tail (1001 x 300).
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("m, k, n", [(1, 64, 256), (1, 33, 300), (2, 128, 129), (3, 96, 200),
-                                     (4, 512, 1536), (4, 7, 5), (1, 512, 8000)])
+                                     (4, 512, 1536), (4, 7, 5), (1, 512, 8000),
+                                     (3, 1001, 300), (2, 4096, 70)])
 def test_small_matmul_equals_the_product(dtype, m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -41,16 +44,40 @@ def test_small_matmul_equals_the_product(dtype, m, k, n):
     np.testing.assert_allclose(got, _exact(x, w), rtol=1e-5, atol=1e-4 * np.sqrt(k))
 
 
-def test_independent_calls_in_one_program():
-    # XLA runs independent custom calls concurrently on its pool threads; a kernel that
-    # waited for its own helpers to start there would deadlock.
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_independent_calls_in_one_program(dtype):
+    # XLA runs independent custom calls concurrently on its pool threads: one gets the crew,
+    # the others run alone, and none may wait on a helper that never comes.
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((1, 512)), jnp.float32)
-    ws = [jnp.asarray(rng.standard_normal((512, 1024)), jnp.bfloat16) for _ in range(8)]
+    ws = [jnp.asarray(rng.standard_normal((512, 1024)), dtype) for _ in range(8)]
     got = jax.jit(lambda x, ws: [small_matmul(x, w) for w in ws])(x, ws)
     for g, w in zip(got, ws):
         np.testing.assert_allclose(np.asarray(g), _exact(np.asarray(x), w), rtol=1e-5,
                                    atol=1e-3)
+
+
+def test_a_long_chain_of_calls():
+    # Each call's input is the last one's output: hundreds of crew jobs back to back, with
+    # helpers joining late or not at all; a lost or doubled task shows in the result.
+    rng = np.random.default_rng(2)
+    ws = [jnp.asarray(rng.standard_normal((512, 512)) / 24, dt)
+          for dt in (jnp.float32, jnp.bfloat16) for _ in range(4)]
+    x0 = rng.standard_normal((2, 512)).astype(np.float32)
+
+    def chain(x, ws):
+        for _ in range(25):
+            for w in ws:
+                x = jnp.tanh(small_matmul(x, w))
+        return x
+
+    want = x0.astype(np.float64)
+    for _ in range(25):
+        for w in ws:
+            want = np.tanh(_exact(want, w))
+    run = jax.jit(chain)
+    for _ in range(3):
+        np.testing.assert_allclose(np.asarray(run(jnp.asarray(x0), ws)), want, atol=2e-3)
 
 
 def test_bad_shapes_are_refused():
@@ -61,14 +88,16 @@ def test_bad_shapes_are_refused():
     assert not supports(2, jnp.float16)
 
 
-@pytest.mark.parametrize("rows, dtype, routed", [(1, jnp.bfloat16, True),
-                                                 (MAX_ROWS, jnp.bfloat16, True),
-                                                 (MAX_ROWS + 1, jnp.bfloat16, False),
-                                                 (1, jnp.float32, False)])
-def test_routing(rows, dtype, routed):
-    layer = nnx.Linear(48, 80, use_bias=True, dtype=dtype, param_dtype=dtype,
+@pytest.mark.parametrize("rows, dtype, width, routed", [(1, jnp.bfloat16, 80, True),
+                                                        (MAX_ROWS, jnp.bfloat16, 80, True),
+                                                        (MAX_ROWS + 1, jnp.bfloat16, 80, False),
+                                                        (1, jnp.float32, 80, False),
+                                                        (2, jnp.float32, 8192, True),
+                                                        (MAX_ROWS + 1, jnp.float32, 8192, False)])
+def test_routing(rows, dtype, width, routed):
+    layer = nnx.Linear(48, width, use_bias=True, dtype=dtype, param_dtype=dtype,
                        preferred_element_type=jnp.float32, rngs=nnx.Rngs(0))
-    layer.bias[...] = jnp.linspace(-1, 1, 80).astype(dtype)
+    layer.bias[...] = jnp.linspace(-1, 1, width).astype(dtype)
     x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 48)), dtype)
     text = jax.jit(lambda x: CPU.linear(layer, x)).lower(x).as_text()
     assert ("metrale_small_matmul" in text) == routed

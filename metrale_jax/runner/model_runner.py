@@ -23,6 +23,7 @@ from metrale_jax.model.caches import (DeviceCaches, allocate_caches, kv_cache_dt
                                       num_kv_blocks)
 from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.parallel.placement import TensorParallel
+from metrale_jax.runner import hugepages
 from metrale_jax.runner.buckets import BucketLadders, CompileCounter, StepShape
 from metrale_jax.runner.inputs import build_step_batch
 from metrale_jax.runner.lora_slots import allocate_lora_slots, slot_arrays, write_slot
@@ -153,6 +154,7 @@ class ModelRunner:
             kv_heads=place.stored_kv_heads if place is not None else None)
         self.caches = (jax.device_put(caches, jax.devices()[0]) if place is None
                        else place.place_caches(caches))
+        hugepages.advise(self.caches)
         self.tables = self._on_devices(allocate_slot_tables(
             self.num_slots, self.num_seq_slots, self._width, engine.max_logit_bias))
         # What the host believes each slot's history and bias hold: nothing, now.

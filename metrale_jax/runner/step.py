@@ -31,6 +31,7 @@ from jaxtyping import Array, Float, Int
 from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.caches import DeviceCaches
 from metrale_jax.model.hybrid import HybridLM
+from metrale_jax.runner import hugepages
 from metrale_jax.runner.buckets import CompileCounter, StepShape
 from metrale_jax.runner.lora_slots import LoraSlots
 from metrale_jax.runner.program_store import ProgramStore
@@ -126,6 +127,7 @@ class StepRunner:
         self.placement = placement
         if placement is not None:
             self._leaves = placement.place_params([p for p, _ in paths_leaves], self._leaves)
+        hugepages.advise(self._leaves)
         self.counter = counter or CompileCounter()
         self.masks = MaskSource(model.cfg.vocab_size)
         self._step = functools.partial(_forward, graphdef, treedef)

@@ -22,6 +22,7 @@ import tempfile
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted(pathlib.Path(__file__).parent.glob("*.cc"))
+HEADERS = sorted(pathlib.Path(__file__).parent.glob("*.h"))
 CACHE_DIR = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")
                          ) / "metrale_jax" / "cpu_kernels"
 # -ffast-math lets the exps vectorize (the kernels keep every value finite for it), but only
@@ -54,7 +55,7 @@ def _library_path(include: str) -> pathlib.Path:
     import jaxlib
 
     key = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         key.update(src.read_bytes())
     key.update(jaxlib.__version__.encode())
     key.update(include.encode())

@@ -10,17 +10,15 @@
 // moves every K/V byte three times. Here each task (a row's query cells, a range of KV heads)
 // reads its pages in place, once, for all of its cells and GQA heads, with an online softmax.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
-#include <mutex>
 #include <vector>
 
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
 
+#include "crew.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -32,10 +30,9 @@ namespace {
 constexpr float kMasked = -1e30f;
 
 // Below this many (query cell x visible key x head x head_dim) products a call runs on the
-// calling thread: handing a task to a pool thread costs ~10 us on an idle machine and
-// milliseconds on a busy 2-core one (measured at batch 1: 2-3 ms per call, more than the
-// whole attention), while 1M products take ~0.1-0.3 ms on one core.
-constexpr int64_t kMinParallelWork = int64_t{1} << 20;
+// calling thread: 64k products take ~10-30 us on one core, about what a hand-off to the
+// crew's helpers costs when they have gone to sleep.
+constexpr int64_t kMinParallelWork = int64_t{1} << 16;
 
 // q . k over D floats.
 inline float Dot(const float* q, const float* k, int64_t D) {
@@ -195,38 +192,20 @@ std::vector<Task> MakeTasks(const Dims& d, int64_t S, const int64_t* cells,
   return tasks;
 }
 
-// Runs `tasks` on the calling thread and, when the work is big enough, the pool's threads,
-// which take the next task from a shared counter (rows differ widely in cost: a prefill
-// chunk beside decode rows).
+// Runs `tasks` on the calling thread and, when the work is big enough, the crew's helpers
+// (crew.h), which take the next task from a shared counter (rows differ widely in cost: a
+// prefill chunk beside decode rows).
 template <typename Fn>
-void RunTasks(ffi::ThreadPool& pool, int64_t count, int64_t work, Fn&& fn) {
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t workers = work < kMinParallelWork ? 1 : std::min<int64_t>(threads, count);
-  if (workers <= 1) {
+void RunTasks(int64_t count, int64_t work, Fn&& fn) {
+  if (work < kMinParallelWork) {
     for (int64_t t = 0; t < count; ++t) fn(t);
     return;
   }
-  std::atomic<int64_t> next{0};
-  auto drain = [&] {
-    for (int64_t t = next.fetch_add(1); t < count; t = next.fetch_add(1)) fn(t);
-  };
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t pending = workers - 1;
-  for (int64_t w = 1; w < workers; ++w) {
-    pool.Schedule([&] {
-      drain();
-      std::lock_guard<std::mutex> lock(mu);
-      if (--pending == 0) cv.notify_one();
-    });
-  }
-  drain();
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return pending == 0; });
+  metrale::Crew::Get().Run(count, std::forward<Fn>(fn));
 }
 
 // Padded layout: queries [S, Q, H, D], positions [S, Q], output [S, Q, H, D].
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                               ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
                               ffi::Buffer<ffi::S32> qpos, float scale, float soft_cap,
@@ -244,8 +223,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t cell = d.H * d.D;
   std::vector<int64_t> cells(S, Q);
   int64_t work = 0;
-  const auto tasks = MakeTasks(d, S, cells.data(), lp, pool.num_threads(), work);
-  RunTasks(pool, tasks.size(), work, [&](int64_t i) {
+  const auto tasks = MakeTasks(d, S, cells.data(), lp, metrale::Crew::Get().threads(), work);
+  RunTasks(tasks.size(), work, [&](int64_t i) {
     const Task& t = tasks[i];
     const int64_t first = t.s * Q + t.c0;
     AttendCells(d, tp + t.s * d.MB, lp[t.s], qp + first * cell, pp + first, t.c1 - t.c0, t.h0,
@@ -257,7 +236,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
 // Ragged layout: queries [T, H, D] flat, row s owning tokens [starts[s], starts[s] +
 // counts[s]); positions [T]; output [T, H, D], zeros for tokens no row owns (padding).
-ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q,
                                     ffi::Buffer<ffi::F32> k_pages,
                                     ffi::Buffer<ffi::F32> v_pages,
                                     ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
@@ -285,8 +264,8 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
     if (!owned[t]) std::fill(op + t * cell, op + (t + 1) * cell, 0.f);
   const int32_t* lp = lens.typed_data();
   int64_t work = 0;
-  const auto tasks = MakeTasks(d, S, cells.data(), lp, pool.num_threads(), work);
-  RunTasks(pool, tasks.size(), work, [&](int64_t i) {
+  const auto tasks = MakeTasks(d, S, cells.data(), lp, metrale::Crew::Get().threads(), work);
+  RunTasks(tasks.size(), work, [&](int64_t i) {
     const Task& t = tasks[i];
     const int64_t first = std::clamp<int64_t>(sp[t.s], 0, T) + t.c0;
     AttendCells(d, tables.typed_data() + t.s * d.MB, lp[t.s], q.typed_data() + first * cell,
@@ -301,7 +280,6 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MetralePagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -315,7 +293,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MetralePagedAttention, PagedAttentionImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MetraleRaggedPagedAttention, RaggedPagedAttentionImpl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
