@@ -60,18 +60,23 @@ def advise(tree, budget: int = COLLAPSE_BUDGET) -> int:
     return collapsed
 
 
-def _stretches(tree) -> list[tuple[int, int]]:
-    """The whole huge pages inside runs of CPU buffers lying within GAP of each other."""
+def _buffers(tree) -> list[tuple[int, int]]:
+    """(address, bytes) of every CPU buffer of `tree`."""
     spans = []
     for leaf in jax.tree.leaves(tree):
         if not isinstance(leaf, jax.Array):
             continue
         for shard in leaf.addressable_shards:
             if shard.device.platform == "cpu" and shard.data.nbytes:
-                start = shard.data.unsafe_buffer_pointer()
-                spans.append((start, start + shard.data.nbytes))
+                spans.append((shard.data.unsafe_buffer_pointer(), shard.data.nbytes))
+    return spans
+
+
+def _stretches(tree) -> list[tuple[int, int]]:
+    """The whole huge pages inside runs of CPU buffers lying within GAP of each other."""
     merged: list[list[int]] = []
-    for start, end in sorted(spans):
+    for start, size in sorted(_buffers(tree)):
+        end = start + size
         if merged and start <= merged[-1][1] + GAP:
             merged[-1][1] = max(merged[-1][1], end)
         else:
