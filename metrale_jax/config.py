@@ -241,8 +241,9 @@ class EngineConfig:
     policy: str = "fcfs"               # admission policy: fcfs | priority
     num_ssm_snapshots: int = 16        # SSM snapshot slots for prefix reuse on hybrids
     kernel_backend: str = "auto"
-    # The KV pool's dtype, apart from the weights': "auto" is float32 on the CPU (XLA:CPU has
-    # no fast bf16 path for the attention mat-vecs) and the model's dtype elsewhere.
+    # The KV pool's dtype, apart from the weights': "auto" is the model's dtype, except on the
+    # CPU without its attention kernel, or for an f32/f16 model there: float32 (XLA:CPU has
+    # no fast bf16 path for the attention mat-vecs). See model/caches.kv_cache_dtype.
     kv_cache_dtype: str = "auto"
     seed: int = 0
     # Speculative decoding with the model's MTP modules (None: off); see spec/config.py.

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._pallas import next_pow2
-from pallas_kernels.cpu import (build as cpu_build, paged_attention as cpu_attention,
-                                small_matmul as cpu_matmul)
+from pallas_kernels.cpu import (amx_matmul as cpu_amx, build as cpu_build,
+                                paged_attention as cpu_attention, small_matmul as cpu_matmul)
 from pallas_kernels.mtp import kernel as mtp_kernel, reference as mtp_reference
 from pallas_kernels.paged_attention import kernel as attn_kernel, reference as attn_reference
 from pallas_kernels.ssm_scan import kernel as ssd_kernel, reference as ssd_reference
@@ -32,8 +32,8 @@ BACKENDS = ("auto", "pallas", "xla")
 class KernelOps:
     use_pallas: bool = False
     interpret: bool = False  # only meaningful with use_pallas
-    # Paged attention through the C++ custom call on XLA:CPU (pallas_kernels/cpu), for
-    # float32 pages; everything else stays on the references.
+    # The C++ custom calls on XLA:CPU (pallas_kernels/cpu): paged attention, small-batch
+    # and AMX matmuls; everything else stays on the references.
     cpu_kernels: bool = False
 
     def _kernel_fits(self, *sizes: int) -> bool:
@@ -51,16 +51,24 @@ class KernelOps:
     def linear(self, layer, x):
         """`layer(x)` (an nnx.Linear, kernel [in, out]). With the CPU kernels, a layer
         applied to a few rows runs the small-matmul custom call where it streams the
-        weights faster than XLA (`small_matmul.takes`: bf16 always, large f32 layers)."""
+        weights faster than XLA (`small_matmul.takes`: bf16 always, large f32 layers), and
+        a bf16 layer applied to more rows runs on the AMX tiles where the processor has
+        them (`amx_matmul.takes`)."""
         kernel = layer.kernel[...]
+        bias = None if layer.bias is None else layer.bias[...].astype(jnp.float32)
         if self.cpu_kernels and cpu_matmul.takes(x.shape[0], kernel):
             y = cpu_matmul.small_matmul(x, kernel)
-            if layer.bias is not None:
-                y = y + layer.bias[...].astype(jnp.float32)
-            return y.astype(layer.dtype)
-        return layer(x)
+        elif self.cpu_kernels and cpu_amx.takes(x, kernel):
+            if bias is None and layer.dtype == jnp.bfloat16:  # rounded once, in the kernel
+                return cpu_amx.amx_matmul(x, kernel, jnp.bfloat16)
+            y = cpu_amx.amx_matmul(x, kernel)
+        else:
+            return layer(x)
+        return (y if bias is None else y + bias).astype(layer.dtype)
 
     def write_kv_pages(self, k_pages, v_pages, k, v, slot_mapping):
+        if self.cpu_kernels and k_pages.dtype == jnp.bfloat16:
+            return cpu_attention.write_kv_pages(k_pages, v_pages, k, v, slot_mapping)
         if not self._kernel_fits(k_pages.shape[1] * k_pages.shape[3]):
             return attn_reference.write_kv_pages(k_pages, v_pages, k, v, slot_mapping)
         return attn_kernel.write_kv_pages(k_pages, v_pages, k, v, slot_mapping,
@@ -70,7 +78,7 @@ class KernelOps:
                         scale: float, soft_cap: float | None = None,
                         sliding_window: int | None = None):
         args = (q, k_pages, v_pages, block_tables, context_lens, q_positions)
-        if self.cpu_kernels and k_pages.dtype == jnp.float32:
+        if self.cpu_kernels and cpu_attention.supports(k_pages):
             return cpu_attention.paged_attention(*args, scale=scale, soft_cap=soft_cap,
                                                  sliding_window=sliding_window)
         block_size = k_pages.shape[2]
@@ -92,7 +100,7 @@ class KernelOps:
         backend pads them to `[S, Q]` with the layout's gather map, runs `paged_attention`
         and flattens the result."""
         kw = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-        if self.cpu_kernels and k_pages.dtype == jnp.float32:
+        if self.cpu_kernels and cpu_attention.supports(k_pages):
             return cpu_attention.ragged_paged_attention(
                 q, k_pages, v_pages, layout.block_tables, layout.context_lens,
                 layout.positions, layout.gather_index[:, 0], layout.gather_valid.sum(axis=1),

@@ -97,7 +97,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="auto",
                    help="weights and activations: auto (as stored), float32, bfloat16, float16")
     e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                   help="the KV pool: auto is float32 on the CPU, the model's dtype elsewhere")
+                   help="the KV pool: auto is the model's dtype, except float32 on the CPU "
+                   "for a non-bf16 model or without the CPU attention kernel")
     e.add_argument("--spill-dir", default=None)
     e.add_argument("--no-prefix-cache", action="store_true")
     e.add_argument("--prefix-tier-host-bytes", type=int, default=0, metavar="BYTES",

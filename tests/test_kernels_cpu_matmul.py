@@ -1,8 +1,10 @@
-"""The small-batch matmul custom call (XLA:CPU): `x @ w` for up to 4 rows of bf16 or f32
-weights against an f64 numpy product, tile widths and column tails, f32 K slabs with odd
-row counts, several independent calls in one program (XLA runs them at once, so all but one
-find the crew busy), many calls in a row (the crew's job hand-over), and the routing: a
-bf16 layer or a large f32 one on a few rows goes through it, anything else stays a dot."""
+"""The matmul custom calls (XLA:CPU) against an f64 numpy product. Small-batch: `x @ w` for
+up to 4 rows of bf16 or f32 weights, tile widths and column tails, f32 K slabs with odd row
+counts, several independent calls in one program (XLA runs them at once, so all but one find
+the crew busy), many calls in a row (the crew's job hand-over). AMX (where the processor has
+it): bf16 `x @ w` for any rows, with row, depth and column tails, f32 and bf16 results. And
+the routing: a bf16 layer or a large f32 one on a few rows goes through the small kernel, a
+bf16 layer on more rows through AMX, anything else stays a dot."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 from flax import nnx
 
 from pallas_kernels.backend import CPU, XLA
-from pallas_kernels.cpu import build
+from pallas_kernels.cpu import amx_matmul as amx, build
 from pallas_kernels.cpu.small_matmul import MAX_ROWS, small_matmul, supports
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU custom call")
@@ -88,6 +90,67 @@ def test_bad_shapes_are_refused():
     assert not supports(2, jnp.float16)
 
 
+needs_amx = pytest.mark.skipif(not amx.available(), reason="this processor has no AMX tiles")
+
+
+# Rows, depth and columns: whole 32 x 32 tiles, and tails of each (the kernel pads x when
+# M or K is not a multiple of 32, and the last 32-column panel of w when N is not).
+@needs_amx
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m, k, n", [(5, 33, 17), (32, 64, 64), (100, 200, 77),
+                                     (64, 512, 1536), (300, 512, 1000), (513, 96, 300)])
+def test_amx_matmul_equals_the_product(out_dtype, m, k, n):
+    rng = np.random.default_rng(m + 10 * k + 100 * n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+    got = jax.jit(lambda x, w: amx.amx_matmul(x, w, out_dtype))(x, w)
+    assert got.shape == (m, n) and got.dtype == out_dtype
+    want = _exact(np.asarray(x, np.float32), w)
+    if out_dtype == jnp.float32:
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4 * np.sqrt(k))
+    else:  # rounded once from the f32 sum: within one bf16 step (2^-8 relative) of it
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2 ** -8,
+                                   atol=1e-4 * np.sqrt(k))
+
+
+@needs_amx
+def test_amx_calls_in_one_program_and_in_a_chain():
+    # Independent calls XLA may run at once (each packs w into its thread's buffer), then a
+    # chain whose every call reads the last one's output.
+    rng = np.random.default_rng(3)
+    ws = [jnp.asarray(rng.standard_normal((256, 256)) / 16, jnp.bfloat16) for _ in range(6)]
+    x0 = jnp.asarray(rng.standard_normal((70, 256)), jnp.bfloat16)
+    got = jax.jit(lambda x, ws: [amx.amx_matmul(x, w) for w in ws])(x0, ws)
+    for g, w in zip(got, ws):
+        np.testing.assert_allclose(np.asarray(g), _exact(np.asarray(x0, np.float32), w),
+                                   rtol=1e-5, atol=1e-3)
+
+    def chain(x, ws):
+        for _ in range(10):
+            for w in ws:
+                x = jnp.tanh(amx.amx_matmul(x, w)).astype(jnp.bfloat16)
+        return x
+
+    want = x0
+    for _ in range(10):  # XLA's bf16 dot, f32 accumulation: the same products, other order
+        for w in ws:
+            want = jnp.tanh(jnp.dot(want, w, preferred_element_type=jnp.float32)
+                            ).astype(jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(jax.jit(chain)(x0, ws), np.float32),
+                               np.asarray(want, np.float32), atol=0.1)
+
+
+def test_amx_bad_operands_are_refused():
+    with pytest.raises(ValueError, match="do not fit"):
+        amx.amx_matmul(jnp.zeros((8, 4), jnp.bfloat16), jnp.zeros((5, 3), jnp.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16 operands"):
+        amx.amx_matmul(jnp.zeros((8, 4)), jnp.zeros((4, 3), jnp.bfloat16))
+    with pytest.raises(ValueError, match="out_dtype"):
+        amx.amx_matmul(jnp.zeros((8, 4), jnp.bfloat16), jnp.zeros((4, 3), jnp.bfloat16),
+                       jnp.float16)
+    assert not amx.takes(jnp.zeros((8, 4)), jnp.zeros((4, 3), jnp.bfloat16))
+
+
 @pytest.mark.parametrize("rows, dtype, width, routed", [(1, jnp.bfloat16, 80, True),
                                                         (MAX_ROWS, jnp.bfloat16, 80, True),
                                                         (MAX_ROWS + 1, jnp.bfloat16, 80, False),
@@ -101,6 +164,9 @@ def test_routing(rows, dtype, width, routed):
     x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 48)), dtype)
     text = jax.jit(lambda x: CPU.linear(layer, x)).lower(x).as_text()
     assert ("metrale_small_matmul" in text) == routed
+    # More rows of a bf16 layer: the AMX kernel, where the processor has it.
+    to_amx = not routed and dtype == jnp.bfloat16 and amx.available()
+    assert ("metrale_amx_matmul" in text) == to_amx
     got = np.asarray(CPU.linear(layer, x), np.float32)
     want = np.asarray(XLA.linear(layer, x), np.float32)
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)

@@ -95,7 +95,9 @@ class DenseStep:
             if block.kind == "A":
                 block.mixer.ops = ops
         self.step = StepRunner(model)
-        kv_dt = jnp.dtype(kv_cache_dtype(cfg, engine_config))
+        # Plain XLA's own K/V dtype (float32 on the CPU, where its bf16 mat-vecs are slow).
+        kv_dt = jnp.dtype(kv_cache_dtype(
+            cfg, dataclasses.replace(engine_config, kernel_backend="xla")))
         stream = (batch, cfg.num_kv_heads, length, cfg.head_dim)
         kv = tuple((jnp.zeros(stream, kv_dt), jnp.zeros(stream, kv_dt))
                    for _ in cfg.attention_layers)

@@ -9,7 +9,7 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.layers import RMSNorm, linear
 from metrale_jax.model.lora import BlockLora, group_deltas, project
-from metrale_jax.model.rope import apply_rope, inverse_frequencies
+from metrale_jax.model.rope import inverse_frequencies, rope_tables, rotate
 from pallas_kernels.backend import XLA, KernelOps
 
 KVPages = tuple[Float[Array, "blocks kv_heads block_size head_dim"],
@@ -40,9 +40,8 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.use_rope:
-            inv_freq = inverse_frequencies(cfg)
-            q = apply_rope(q, batch.positions, inv_freq)
-            k = apply_rope(k, batch.positions, inv_freq)
+            tables = rope_tables(batch.positions, inverse_frequencies(cfg))
+            q, k = rotate(q, tables), rotate(k, tables)
         k_pages, v_pages = self.ops.write_kv_pages(kv[0], kv[1], k, v, batch.slot_mapping)
         out = self.ops.ragged_paged_attention(q, k_pages, v_pages, batch,
                                               scale=cfg.head_dim ** -0.5)

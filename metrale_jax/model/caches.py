@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from metrale_jax.config import EngineConfig, ModelConfig
+from pallas_kernels.backend import resolve
 
 
 @jax.tree_util.register_dataclass
@@ -69,12 +70,17 @@ def num_kv_blocks(cfg: ModelConfig, engine: EngineConfig, with_mtp: bool = False
 
 
 def kv_cache_dtype(cfg: ModelConfig, engine: EngineConfig) -> str:
-    """The KV pool's dtype: explicit, or the model's dtype on accelerators and float32 on the
-    CPU, where XLA has no fast path for bf16 K/V in the attention mat-vecs (measured 4-5x
+    """The KV pool's dtype: explicit, or the model's dtype on accelerators. On the CPU, a
+    bf16 model keeps bf16 pages where the CPU attention kernel runs (it widens them as it
+    loads them: half the bytes of a pass that is bound by them), and every other model
+    float32: XLA has no fast path for bf16 K/V in the attention mat-vecs (measured 4-5x
     slower than f32, while bf16 weight matmuls are the faster ones)."""
     if engine.kv_cache_dtype != "auto":
         return engine.kv_cache_dtype
-    return "float32" if jax.default_backend() == "cpu" else cfg.dtype
+    if jax.default_backend() != "cpu":
+        return cfg.dtype
+    kernel_pages = resolve(engine.kernel_backend, "cpu").cpu_kernels
+    return "bfloat16" if kernel_pages and cfg.dtype == "bfloat16" else "float32"
 
 
 def allocate_caches(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int,

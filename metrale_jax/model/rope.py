@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
@@ -29,13 +30,26 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def apply_rope(x: Float[Array, "T H D"], positions: Int[Array, "T"],
-               inv_freq: np.ndarray) -> Float[Array, "T H D"]:
+def rope_tables(positions: Int[Array, "T"], inv_freq: np.ndarray) -> Float[Array, "2 T half"]:
+    """cos and sin of each position's angles, stacked. Stacked, XLA keeps them one array that
+    both rotations (q and k) read; as two separate arrays it fuses each into its consumer and
+    evaluates it once per head and element (measured on XLA:CPU at 512 tokens x 8 heads:
+    4x the cost of the rotations themselves)."""
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    cos = jnp.cos(angles)[:, None, :]
-    sin = jnp.sin(angles)[:, None, :]
+    tables = jnp.stack([jnp.cos(angles), jnp.sin(angles)])
+    return jax.lax.reduce_precision(tables, exponent_bits=8, mantissa_bits=23)
+
+
+def rotate(x: Float[Array, "T H D"], tables: Float[Array, "2 T half"]) -> Float[Array, "T H D"]:
+    """Rotate-half RoPE of `x` by `rope_tables`, in float32, returned in x's dtype."""
+    cos, sin = tables[0][:, None, :], tables[1][:, None, :]
     half = x.shape[-1] // 2
     x1 = x[..., :half].astype(jnp.float32)
     x2 = x[..., half:].astype(jnp.float32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def apply_rope(x: Float[Array, "T H D"], positions: Int[Array, "T"],
+               inv_freq: np.ndarray) -> Float[Array, "T H D"]:
+    return rotate(x, rope_tables(positions, inv_freq))

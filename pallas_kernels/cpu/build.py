@@ -35,8 +35,13 @@ FLAGS = COMPILE_FLAGS + LINK_FLAGS
 # name in XLA -> symbol in the library
 TARGETS = {"metrale_paged_attention": "MetralePagedAttention",
            "metrale_ragged_paged_attention": "MetraleRaggedPagedAttention",
+           "metrale_paged_attention_bf16": "MetralePagedAttentionBf16",
+           "metrale_ragged_paged_attention_bf16": "MetraleRaggedPagedAttentionBf16",
+           "metrale_write_kv_pages_bf16": "MetraleWriteKvPagesBf16",
            "metrale_small_matmul_f32": "MetraleSmallMatmulF32",
-           "metrale_small_matmul_bf16": "MetraleSmallMatmulBf16"}
+           "metrale_small_matmul_bf16": "MetraleSmallMatmulBf16",
+           "metrale_amx_matmul_f32": "MetraleAmxMatmulF32",
+           "metrale_amx_matmul_bf16": "MetraleAmxMatmulBf16"}
 
 
 def _cpu_flags() -> str:

@@ -1,7 +1,8 @@
 // Ragged paged attention for XLA:CPU, called through the XLA FFI.
 //
-// Two entry points, float32, head-major pages [NB, KVH, BS, D], block tables [S, MB] and
-// context lengths [S] in both. Padded: the contract of pallas_kernels/paged_attention/
+// Two entry points, each for float32 or bfloat16 pages (head-major [NB, KVH, BS, D]; bf16
+// widened to f32 as it is loaded, so a bf16 pool moves half the bytes for the same float32
+// arithmetic), float32 queries and outputs, block tables [S, MB] and context lengths [S]. Padded: the contract of pallas_kernels/paged_attention/
 // reference.py, queries and positions [S, Q, ...]. Ragged: the step's own flat tokens
 // [T, H, D], row s owning the run [starts[s], starts[s] + counts[s]), so a step mixing
 // prefill chunks with decode rows neither copies queries into [S, Q] nor attends for
@@ -12,12 +13,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
 #include "crew.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -33,6 +37,11 @@ constexpr float kMasked = -1e30f;
 // calling thread: 64k products take ~10-30 us on one core, about what a hand-off to the
 // crew's helpers costs when they have gone to sleep.
 constexpr int64_t kMinParallelWork = int64_t{1} << 16;
+
+// Page elements: float, or bfloat16 (bf16.h).
+using metrale::Bf16;
+using metrale::ToFloat;
+
 
 // q . k over D floats.
 inline float Dot(const float* q, const float* k, int64_t D) {
@@ -78,18 +87,99 @@ inline void ScaleAccumulate(float* acc, float corr, const float* w, const float*
     for (int64_t i = 0; i < D; ++i) acc[i] += w[t] * v[t * D + i];
 }
 
+// bf16 pages are read as pairs: each 32-bit lane of a load holds elements (2i, 2i + 1),
+// the even one widened being the lane shifted left by 16 and the odd one the lane with its
+// low half cleared, so no shuffle is needed, against q and the accumulator kept split into
+// halves (`e[i] = x[2i]` then `o[i] = x[2i + 1]`; SplitPairs / JoinPairs). Needs an even D.
+inline void SplitPairs(const float* x, int64_t D, float* split) {
+  for (int64_t i = 0; i < D / 2; ++i) {
+    split[i] = x[2 * i];
+    split[D / 2 + i] = x[2 * i + 1];
+  }
+}
+
+inline void JoinPairs(const float* split, int64_t D, float scale, float* x) {
+  for (int64_t i = 0; i < D / 2; ++i) {
+    x[2 * i] = split[i] * scale;
+    x[2 * i + 1] = split[D / 2 + i] * scale;
+  }
+}
+
+#ifdef __AVX512F__
+inline void WidenPairs(const Bf16* p, __m512& even, __m512& odd) {
+  const __m512i lanes = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(lanes, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(lanes, _mm512_set1_epi32(int32_t(0xffff0000u))));
+}
+#endif
+
+// q . k with q pair-split.
+inline float Dot(const float* q, const Bf16* k, int64_t D) {
+  const float* qo = q + D / 2;
+#ifdef __AVX512F__
+  if (D % 32 == 0) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 32) {
+      __m512 even, odd;
+      WidenPairs(k + i, even, odd);
+      s0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i / 2), even, s0);
+      s1 = _mm512_fmadd_ps(_mm512_loadu_ps(qo + i / 2), odd, s1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+  }
+#endif
+  float dot = 0.f;
+  for (int64_t i = 0; i < D / 2; ++i)
+    dot += q[i] * ToFloat(k[2 * i]) + qo[i] * ToFloat(k[2 * i + 1]);
+  return dot;
+}
+
+// ScaleAccumulate with acc pair-split.
+inline void ScaleAccumulate(float* acc, float corr, const float* w, const Bf16* v, int64_t n,
+                            int64_t D) {
+  float* acc_o = acc + D / 2;
+#ifdef __AVX512F__
+  if (D % 32 == 0) {
+    const __m512 c = _mm512_set1_ps(corr);
+    for (int64_t i = 0; i < D; i += 32) {
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + i / 2), c);
+      __m512 b = _mm512_mul_ps(_mm512_loadu_ps(acc_o + i / 2), c);
+      for (int64_t t = 0; t < n; ++t) {
+        __m512 even, odd;
+        WidenPairs(v + t * D + i, even, odd);
+        const __m512 wt = _mm512_set1_ps(w[t]);
+        a = _mm512_fmadd_ps(wt, even, a);
+        b = _mm512_fmadd_ps(wt, odd, b);
+      }
+      _mm512_storeu_ps(acc + i / 2, a);
+      _mm512_storeu_ps(acc_o + i / 2, b);
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < D; ++i) acc[i] *= corr;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < D / 2; ++i) {
+      acc[i] += w[t] * ToFloat(v[t * D + 2 * i]);
+      acc_o[i] += w[t] * ToFloat(v[t * D + 2 * i + 1]);
+    }
+}
+
 struct Dims {
   int64_t H, D, KVH, BS, MB;
 };
 
 // Pull the next block's pages for heads [h0, h1) towards the cache while this one is used:
 // blocks sit at random places in the pool, where the hardware prefetcher cannot guess.
-inline void Prefetch(const float* base, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(base + i, 0, 1);
+template <typename P>
+inline void Prefetch(const P* base, int64_t elems) {
+  constexpr int64_t kLine = 64 / sizeof(P);
+  for (int64_t i = 0; i < elems; i += kLine) __builtin_prefetch(base + i, 0, 1);
 }
 
 // The online-softmax update of one query head over one block's keys [t0, t1).
-inline void VisitBlock(const float* qv, const float* kb, const float* vb, int64_t t0,
+template <typename P>
+inline void VisitBlock(const float* qv, const P* kb, const P* vb, int64_t t0,
                        int64_t t1, int64_t D, float scale, float soft_cap, float* p, float& mx,
                        float& sum, float* acc) {
   float bmax = kMasked;
@@ -113,12 +203,15 @@ inline void VisitBlock(const float* qv, const float* kb, const float* vb, int64_
 // [H, D], `pos` at its position), KV heads [h0, h1), every query head of those groups. Heads
 // are the inner loop so a block's pages for the whole head range are read as one contiguous
 // run ([kv_heads, block_size, head_dim] is contiguous per block).
+template <typename P>
 void AttendCells(const Dims& d, const int32_t* table, int64_t ctx, const float* q,
-                 const int32_t* pos, int64_t cells, int64_t h0, int64_t h1, const float* kp,
-                 const float* vp, float scale, float soft_cap, int32_t window, float* out) {
+                 const int32_t* pos, int64_t cells, int64_t h0, int64_t h1, const P* kp,
+                 const P* vp, float scale, float soft_cap, int32_t window, float* out) {
   const int64_t G = d.H / d.KVH, D = d.D, BS = d.BS, page = BS * D;
   const int64_t heads = (h1 - h0) * G;
-  std::vector<float> m(heads), l(heads), acc(heads * D), p(BS);
+  // bf16 pages: q and acc pair-split (see Dot), for heads [h0, h1) only.
+  constexpr bool kPairs = std::is_same_v<P, Bf16>;
+  std::vector<float> m(heads), l(heads), acc(heads * D), p(BS), qsplit(kPairs ? heads * D : 0);
   for (int64_t c = 0; c < cells; ++c) {
     const int64_t at = pos[c];
     const int64_t end = std::min<int64_t>(ctx, at + 1);  // keys [first, end) are visible
@@ -126,7 +219,12 @@ void AttendCells(const Dims& d, const int32_t* table, int64_t ctx, const float* 
     std::fill(m.begin(), m.end(), kMasked);
     std::fill(l.begin(), l.end(), 0.f);
     std::fill(acc.begin(), acc.end(), 0.f);
-    const float* qrow = q + c * d.H * D;
+    // This cell's query heads of [h0, h1).
+    const float* qcell = q + (c * d.H + h0 * G) * D;
+    if constexpr (kPairs) {
+      for (int64_t j = 0; j < heads; ++j) SplitPairs(qcell + j * D, D, qsplit.data() + j * D);
+      qcell = qsplit.data();
+    }
     const int64_t b_end = std::min<int64_t>((end + BS - 1) / BS, d.MB);
     for (int64_t b = first / BS; b < b_end; ++b) {
       const int64_t block = table[b];
@@ -139,11 +237,11 @@ void AttendCells(const Dims& d, const int32_t* table, int64_t ctx, const float* 
       const int64_t t1 = std::min<int64_t>(end - b * BS, BS);
       if (t1 <= t0) continue;
       for (int64_t h = h0; h < h1; ++h) {
-        const float* kb = kp + (block * d.KVH + h) * page;
-        const float* vb = vp + (block * d.KVH + h) * page;
+        const P* kb = kp + (block * d.KVH + h) * page;
+        const P* vb = vp + (block * d.KVH + h) * page;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t j = (h - h0) * G + g;
-          VisitBlock(qrow + (h * G + g) * D, kb, vb, t0, t1, D, scale, soft_cap, p.data(),
+          VisitBlock(qcell + j * D, kb, vb, t0, t1, D, scale, soft_cap, p.data(),
                      m[j], l[j], acc.data() + j * D);
         }
       }
@@ -151,7 +249,11 @@ void AttendCells(const Dims& d, const int32_t* table, int64_t ctx, const float* 
     for (int64_t j = 0; j < heads; ++j) {
       float* o = out + (c * d.H + h0 * G + j) * D;
       const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;  // a cell that sees nothing: zeros
-      for (int64_t i = 0; i < D; ++i) o[i] = acc[j * D + i] * inv;
+      if constexpr (kPairs) {
+        JoinPairs(acc.data() + j * D, D, inv, o);
+      } else {
+        for (int64_t i = 0; i < D; ++i) o[i] = acc[j * D + i] * inv;
+      }
     }
   }
 }
@@ -204,9 +306,21 @@ void RunTasks(int64_t count, int64_t work, Fn&& fn) {
   metrale::Crew::Get().Run(count, std::forward<Fn>(fn));
 }
 
+constexpr const char* kOddBf16 = "paged attention: bf16 pages need an even head_dim";
+
+// The C++ element of a page buffer of dtype PT.
+template <ffi::DataType PT>
+using PageElem = std::conditional_t<PT == ffi::F32, float, Bf16>;
+
+template <ffi::DataType PT>
+const PageElem<PT>* Pages(const ffi::Buffer<PT>& pages) {
+  return reinterpret_cast<const PageElem<PT>*>(pages.untyped_data());
+}
+
 // Padded layout: queries [S, Q, H, D], positions [S, Q], output [S, Q, H, D].
+template <ffi::DataType PT>
 ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q,
-                              ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                              ffi::Buffer<PT> k_pages, ffi::Buffer<PT> v_pages,
                               ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
                               ffi::Buffer<ffi::S32> qpos, float scale, float soft_cap,
                               int32_t window, ffi::ResultBuffer<ffi::F32> out) {
@@ -215,6 +329,7 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("paged attention: bad ranks");
   const int64_t S = qd[0], Q = qd[1];
   const Dims d{qd[2], qd[3], kd[1], kd[2], td[1]};
+  if (PT == ffi::BF16 && d.D % 2) return ffi::Error::InvalidArgument(kOddBf16);
   const float* qp = q.typed_data();
   const int32_t* tp = tables.typed_data();
   const int32_t* lp = lens.typed_data();
@@ -228,7 +343,7 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q,
     const Task& t = tasks[i];
     const int64_t first = t.s * Q + t.c0;
     AttendCells(d, tp + t.s * d.MB, lp[t.s], qp + first * cell, pp + first, t.c1 - t.c0, t.h0,
-                t.h1, k_pages.typed_data(), v_pages.typed_data(), scale, soft_cap, window,
+                t.h1, Pages(k_pages), Pages(v_pages), scale, soft_cap, window,
                 op + first * cell);
   });
   return ffi::Error::Success();
@@ -236,9 +351,10 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q,
 
 // Ragged layout: queries [T, H, D] flat, row s owning tokens [starts[s], starts[s] +
 // counts[s]); positions [T]; output [T, H, D], zeros for tokens no row owns (padding).
+template <ffi::DataType PT>
 ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q,
-                                    ffi::Buffer<ffi::F32> k_pages,
-                                    ffi::Buffer<ffi::F32> v_pages,
+                                    ffi::Buffer<PT> k_pages,
+                                    ffi::Buffer<PT> v_pages,
                                     ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
                                     ffi::Buffer<ffi::S32> positions,
                                     ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> counts,
@@ -249,6 +365,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("ragged paged attention: bad ranks");
   const int64_t T = qd[0], S = td[0];
   const Dims d{qd[1], qd[2], kd[1], kd[2], td[1]};
+  if (PT == ffi::BF16 && d.D % 2) return ffi::Error::InvalidArgument(kOddBf16);
   const int32_t* sp = starts.typed_data();
   const int32_t* cp = counts.typed_data();
   const int64_t cell = d.H * d.D;
@@ -270,7 +387,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q,
     const int64_t first = std::clamp<int64_t>(sp[t.s], 0, T) + t.c0;
     AttendCells(d, tables.typed_data() + t.s * d.MB, lp[t.s], q.typed_data() + first * cell,
                 positions.typed_data() + first, t.c1 - t.c0, t.h0, t.h1,
-                k_pages.typed_data(), v_pages.typed_data(), scale, soft_cap, window,
+                Pages(k_pages), Pages(v_pages), scale, soft_cap, window,
                 op + first * cell);
   });
   return ffi::Error::Success();
@@ -278,30 +395,37 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MetralePagedAttention, PagedAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int32_t>("window")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define METRALE_PAGED_ATTENTION(name, PT)                        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, PagedAttentionImpl<PT>,      \
+                                ffi::Ffi::Bind()                   \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  \
+                                    .Arg<ffi::Buffer<PT>>()        \
+                                    .Arg<ffi::Buffer<PT>>()        \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  \
+                                    .Attr<float>("scale")          \
+                                    .Attr<float>("soft_cap")       \
+                                    .Attr<int32_t>("window")       \
+                                    .Ret<ffi::Buffer<ffi::F32>>())
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MetraleRaggedPagedAttention, RaggedPagedAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int32_t>("window")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define METRALE_RAGGED_PAGED_ATTENTION(name, PT)                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, RaggedPagedAttentionImpl<PT>, \
+                                ffi::Ffi::Bind()                    \
+                                    .Arg<ffi::Buffer<ffi::F32>>()   \
+                                    .Arg<ffi::Buffer<PT>>()         \
+                                    .Arg<ffi::Buffer<PT>>()         \
+                                    .Arg<ffi::Buffer<ffi::S32>>()   \
+                                    .Arg<ffi::Buffer<ffi::S32>>()   \
+                                    .Arg<ffi::Buffer<ffi::S32>>()   \
+                                    .Arg<ffi::Buffer<ffi::S32>>()   \
+                                    .Arg<ffi::Buffer<ffi::S32>>()   \
+                                    .Attr<float>("scale")           \
+                                    .Attr<float>("soft_cap")        \
+                                    .Attr<int32_t>("window")        \
+                                    .Ret<ffi::Buffer<ffi::F32>>())
+
+METRALE_PAGED_ATTENTION(MetralePagedAttention, ffi::F32);
+METRALE_PAGED_ATTENTION(MetralePagedAttentionBf16, ffi::BF16);
+METRALE_RAGGED_PAGED_ATTENTION(MetraleRaggedPagedAttention, ffi::F32);
+METRALE_RAGGED_PAGED_ATTENTION(MetraleRaggedPagedAttentionBf16, ffi::BF16);

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
 #include "crew.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -36,13 +37,7 @@ constexpr int64_t kMinParallelWeights = int64_t{1} << 16;
 // ones run column bands (the slabs' partial sums would cost more than they save).
 constexpr int64_t kMinSlabWeights = int64_t{1} << 18;
 
-inline float ToFloat(float w) { return w; }
-inline float ToFloat(uint16_t w) {
-  const uint32_t bits = uint32_t{w} << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using metrale::ToFloat;
 
 #ifdef __AVX512F__
 inline __m512 Load16(const float* w) { return _mm512_loadu_ps(w); }
