@@ -7,11 +7,13 @@
 // torch's oneDNN does. A decode step of 64 rows and a 512-token prefill chunk are both
 // mostly such dots.
 //
-// Two passes. First w is packed, streaming, into the tiles' pair-interleaved ("VNNI") order:
-// K rows in pairs [k, k+1] side by side (PackPairs), into a buffer that stays in cache. Then
-// a task owns a panel of 32 output columns for a chunk of up to kChunkRows rows: for each
-// 32-row block of the chunk it accumulates a 32 x 32 block of y in four tile registers over
-// K, 32 at a time. So w is read from memory once a call, x once per panel from cache.
+// A task owns a slab of kSlabCols output columns: it packs the slab of w into the tiles'
+// pair-interleaved ("VNNI") order, K rows in pairs [k, k+1] side by side (PackSlab), into a
+// buffer of its thread that stays in L1/L2, then for each 32-row block of x accumulates a
+// 32 x 32 block of y in four tile registers over K, 32 at a time, slab panel by panel. So w
+// is read from memory once a call, and packed while it is still in cache: packing all of w
+// first, then multiplying, took 14-18% longer (a chain of a 49M Llama's layers, 64 to 1024
+// rows, weights out of cache).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -33,11 +35,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Rows of x a task covers: its packed panel of w is reused over them, and x's chunk stays
-// in L2 (256 rows x 1536 bf16 = 768 KB) while the crew's tasks sweep the panels.
-constexpr int64_t kChunkRows = 256;
-constexpr int64_t kBlock = 32;
-constexpr int64_t kPrefetchRows = 24;  // rows and columns of y one tile block holds (2 x 2 tiles)
+// Columns of w a task packs and multiplies: 128 x K bf16 (128 KB at K = 512) stays in L2,
+// and a 512-wide layer still makes 4 tasks for the crew (256: the same; 512: 1.5x slower).
+constexpr int64_t kSlabCols = 128;
+constexpr int64_t kBlock = 32;  // rows and columns of y one tile block holds (2 x 2 tiles)
 
 #ifdef METRALE_AMX
 
@@ -70,29 +71,35 @@ bool RequestAmx() {
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-// Packs w's rows [2 * p0, 2 * p1) in pairs: packed[p][n][e] = w[2p + e, n] (zeros past K and
-// past N), the pair-interleaved order the tiles multiply. Rows are read and written front to
-// back, so the pass streams at the memory's speed: packing column panels instead (one
-// 64-byte piece of every row of w) ran at a third of it, the prefetchers following no stride.
-void PackPairs(const uint16_t* w, int64_t K, int64_t N, int64_t n_pad, int64_t p0,
-               int64_t p1, uint16_t* packed) {
-  // out0 interleaves columns 0-15 of the two rows, out1 columns 16-31.
+// Columns [c0, c0 + width) of w, every pair of rows, into packed[k_pad / 2][width][2]
+// (width a multiple of 32; zeros past K and N). Rows of a slab are `kAhead` pairs ahead
+// prefetched: the slab's pieces of each row are short, far apart runs.
+void PackSlab(const uint16_t* w, int64_t K, int64_t N, int64_t k_pad, int64_t c0,
+              int64_t width, uint16_t* packed) {
   alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37,
                                                6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43,
                                                12, 44, 13, 45, 14, 46, 15, 47};
   alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53,
                                                22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59,
                                                28, 60, 29, 61, 30, 62, 31, 63};
+  constexpr int64_t kAhead = 8;
   const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
-  for (int64_t p = p0; p < p1; ++p) {
+  for (int64_t p = 0; p < k_pad / 2; ++p) {
     const int64_t k = 2 * p;
-    uint16_t* out = packed + p * n_pad * 2;
-    for (int64_t n = 0; n < n_pad; n += 32) {
-      const int64_t cols = std::min<int64_t>(32, N - n);
+    if (k + 2 * kAhead + 1 < K)
+      for (int64_t n = 0; n < width; n += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (k + 2 * kAhead) * N + c0 + n),
+                     _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (k + 2 * kAhead + 1) * N + c0 + n),
+                     _MM_HINT_T0);
+      }
+    uint16_t* out = packed + p * width * 2;
+    for (int64_t n = 0; n < width; n += 32) {
+      const int64_t cols = std::clamp<int64_t>(N - c0 - n, 0, 32);
       const __mmask32 mask = cols >= 32 ? ~__mmask32{0} : ((__mmask32{1} << cols) - 1);
-      const __m512i r0 = k < K ? _mm512_maskz_loadu_epi16(mask, w + k * N + n)
+      const __m512i r0 = k < K ? _mm512_maskz_loadu_epi16(mask, w + k * N + c0 + n)
                                : _mm512_setzero_si512();
-      const __m512i r1 = k + 1 < K ? _mm512_maskz_loadu_epi16(mask, w + (k + 1) * N + n)
+      const __m512i r1 = k + 1 < K ? _mm512_maskz_loadu_epi16(mask, w + (k + 1) * N + c0 + n)
                                    : _mm512_setzero_si512();
       _mm512_storeu_si512(out + 2 * n, _mm512_permutex2var_epi16(r0, lo, r1));
       _mm512_storeu_si512(out + 2 * n + 32, _mm512_permutex2var_epi16(r0, hi, r1));
@@ -115,7 +122,8 @@ inline void StoreRow(const float* src, uint16_t* dst, __mmask16 mask) {
 // w in pairs (PackPairs), [k_pad / 2, n_pad, 2].
 template <typename Y>
 void Panel(const uint16_t* x, int64_t lda, int64_t m0, int64_t m1, const uint16_t* packed,
-           int64_t n_pad, int64_t k_pad, Y* y, int64_t M, int64_t N, int64_t n0) {
+           int64_t n_pad, int64_t k_pad, Y* y, int64_t M, int64_t N, int64_t n0,
+           int64_t packed_n0 = 0) {
   alignas(64) float block[kBlock * kBlock];
   const int64_t cols = std::min<int64_t>(32, N - n0);
   const __mmask16 mask0 = cols >= 16 ? 0xffff : __mmask16((1u << cols) - 1);
@@ -131,7 +139,7 @@ void Panel(const uint16_t* x, int64_t lda, int64_t m0, int64_t m1, const uint16_
     for (int64_t k = 0; k < k_pad; k += 32) {
       _tile_loadd(4, x0 + k, stride_x);
       _tile_loadd(5, x1 + k, stride_x);
-      const uint16_t* b = packed + (k / 2) * n_pad * 2 + n0 * 2;
+      const uint16_t* b = packed + (k / 2) * n_pad * 2 + (n0 - packed_n0) * 2;
       _tile_loadd(6, b, stride_w);
       _tile_loadd(7, b + 32, stride_w);
       _tile_dpbf16ps(0, 4, 6);
@@ -153,8 +161,8 @@ void Panel(const uint16_t* x, int64_t lda, int64_t m0, int64_t m1, const uint16_
   }
 }
 
-// The calling thread's buffer for a packed w, grown as needed (concurrent calls from XLA's
-// threads each pack into their own).
+// The running thread's buffer for a packed slab of w, grown as needed: a thread runs one task
+// at a time, whichever call it belongs to.
 uint16_t* PackBuffer(int64_t elems) {
   thread_local std::unique_ptr<uint16_t[]> buffer;
   thread_local int64_t capacity = 0;
@@ -181,22 +189,16 @@ void AmxMatmul(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64
     xa = padded.get();
     lda = k_pad;
   }
-  metrale::Crew& crew = metrale::Crew::Get();
-  uint16_t* packed = PackBuffer(k_pad * n_pad);
-  const int64_t pairs = k_pad / 2;
-  const int64_t pack_tasks = std::min<int64_t>(crew.threads() * 4, pairs / 8);
-  crew.Run(std::max<int64_t>(pack_tasks, 1), [&](int64_t t) {
-    const int64_t tasks = std::max<int64_t>(pack_tasks, 1);
-    PackPairs(w, K, N, n_pad, pairs * t / tasks, pairs * (t + 1) / tasks, packed);
-  });
-  const int64_t panels = n_pad / 32;
-  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
-  crew.Run(chunks * panels, [&](int64_t t) {
-    // Chunk-major: tasks running side by side share one chunk of x in cache.
-    const int64_t chunk = t / panels, n0 = (t % panels) * 32;
-    const int64_t m0 = chunk * kChunkRows, m1 = std::min(M, m0 + kChunkRows);
+  // Each task packs a slab of kSlabCols columns of w into its thread's buffer and multiplies
+  // every row of x against it while it is in cache.
+  const int64_t slabs = (n_pad + kSlabCols - 1) / kSlabCols;
+  metrale::Crew::Get().Run(slabs, [&](int64_t t) {
+    const int64_t c0 = t * kSlabCols, width = std::min(kSlabCols, n_pad - c0);
+    uint16_t* slab = PackBuffer(k_pad * kSlabCols);
+    PackSlab(w, K, N, k_pad, c0, width, slab);
     _tile_loadconfig(&Config());
-    Panel(xa, lda, m0, m1, packed, n_pad, k_pad, y, M, N, n0);
+    for (int64_t n0 = c0; n0 < c0 + width; n0 += 32)
+      Panel(xa, lda, 0, M, slab, width, k_pad, y, M, N, n0, c0);
     _tile_release();
   });
 }

@@ -45,6 +45,16 @@ using metrale::ToFloat;
 
 // q . k over D floats.
 inline float Dot(const float* q, const float* k, int64_t D) {
+#ifdef __AVX512F__
+  if (D % 32 == 0) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 32) {
+      s0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), s0);
+      s1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i + 16), _mm512_loadu_ps(k + i + 16), s1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+  }
+#endif
 #ifdef __AVX2__
   if (D % 16 == 0) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
@@ -65,10 +75,22 @@ inline float Dot(const float* q, const float* k, int64_t D) {
   return dot;
 }
 
-// acc[i] = acc[i] * corr + sum_t w[t] * v[t, i]: each 8-wide slice of acc stays in a register
-// while the block's values stream past it.
+// acc[i] = acc[i] * corr + sum_t w[t] * v[t, i]: each 16- or 8-wide slice of acc stays in a
+// register while the block's values stream past it.
 inline void ScaleAccumulate(float* acc, float corr, const float* w, const float* v, int64_t n,
                             int64_t D) {
+#ifdef __AVX512F__
+  if (D % 16 == 0) {
+    const __m512 c = _mm512_set1_ps(corr);
+    for (int64_t i = 0; i < D; i += 16) {
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + i), c);
+      for (int64_t t = 0; t < n; ++t)
+        a = _mm512_fmadd_ps(_mm512_set1_ps(w[t]), _mm512_loadu_ps(v + t * D + i), a);
+      _mm512_storeu_ps(acc + i, a);
+    }
+    return;
+  }
+#endif
 #ifdef __AVX2__
   if (D % 8 == 0) {
     const __m256 c = _mm256_set1_ps(corr);
