@@ -221,3 +221,15 @@ def test_loading_the_library_keeps_subnormals():
     assert build.load() is not None
     tiny = np.finfo(np.float32).smallest_subnormal
     assert np.float32(tiny) * np.float32(1.0) != 0.0
+
+
+def test_a_failing_compiler_is_reported(tmp_path, monkeypatch):
+    # The sources compile side by side; a compiler that fails makes the build raise with its
+    # name (load() then logs it and runs the jnp path), and no library is left behind.
+    import jax.ffi
+
+    monkeypatch.setenv("CXX", "false")
+    out = tmp_path / "lib.so"
+    with pytest.raises(RuntimeError, match="false failed"):
+        build._compile(out, jax.ffi.include_dir())
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []
