@@ -55,16 +55,17 @@ class KernelOps:
         a bf16 layer applied to more rows runs on the AMX tiles where the processor has
         them (`amx_matmul.takes`)."""
         kernel = layer.kernel[...]
-        bias = None if layer.bias is None else layer.bias[...].astype(jnp.float32)
         if self.cpu_kernels and cpu_matmul.takes(x.shape[0], kernel):
             y = cpu_matmul.small_matmul(x, kernel)
         elif self.cpu_kernels and cpu_amx.takes(x, kernel):
-            if bias is None and layer.dtype == jnp.bfloat16:  # rounded once, in the kernel
+            if layer.bias is None and layer.dtype == jnp.bfloat16:  # rounded once, in the kernel
                 return cpu_amx.amx_matmul(x, kernel, jnp.bfloat16)
             y = cpu_amx.amx_matmul(x, kernel)
         else:
             return layer(x)
-        return (y if bias is None else y + bias).astype(layer.dtype)
+        if layer.bias is not None:
+            y = y + layer.bias[...].astype(jnp.float32)
+        return y.astype(layer.dtype)
 
     def write_kv_pages(self, k_pages, v_pages, k, v, slot_mapping):
         if self.cpu_kernels and k_pages.dtype == jnp.bfloat16:

@@ -2,8 +2,9 @@
 //
 // Two entry points, each for float32 or bfloat16 pages (head-major [NB, KVH, BS, D]; bf16
 // widened to f32 as it is loaded, so a bf16 pool moves half the bytes for the same float32
-// arithmetic), float32 queries and outputs, block tables [S, MB] and context lengths [S]. Padded: the contract of pallas_kernels/paged_attention/
-// reference.py, queries and positions [S, Q, ...]. Ragged: the step's own flat tokens
+// arithmetic), float32 queries and outputs, block tables [S, MB] and context lengths [S].
+// Padded: the contract of pallas_kernels/paged_attention/reference.py, queries and
+// positions [S, Q, ...]. Ragged: the step's own flat tokens
 // [T, H, D], row s owning the run [starts[s], starts[s] + counts[s]), so a step mixing
 // prefill chunks with decode rows neither copies queries into [S, Q] nor attends for
 // padding cells. Why a custom call: XLA:CPU cannot read pages through a block table without
@@ -13,7 +14,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -269,8 +269,9 @@ void AttendCells(const Dims& d, const int32_t* table, int64_t ctx, const float* 
         const P* vn = next < 0 ? nullptr : vp + (next * d.KVH + h) * page;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t j = (h - h0) * G + g;
-          VisitBlock(qcell + j * D, kb, vb, g == 0 ? kn : nullptr, vn, t0, t1, D, scale, soft_cap, p.data(),
-                     m[j], l[j], acc.data() + j * D);
+          // The next block is prefetched once per head, not once per query head of it.
+          VisitBlock(qcell + j * D, kb, vb, g == 0 ? kn : nullptr, vn, t0, t1, D, scale,
+                     soft_cap, p.data(), m[j], l[j], acc.data() + j * D);
         }
       }
     }
