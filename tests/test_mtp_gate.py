@@ -85,6 +85,45 @@ def test_a_reprobe_that_loses_returns_to_the_standing_choice():
     assert not any(drive(gate, clock, 1, 10, plain_tps=100, spec_tps=60))  # timer restarted
 
 
+def test_confirming_probes_back_off_and_a_flip_resets_the_wait():
+    """Each probe that confirms the choice doubles the wait before the next (up to
+    max_reprobe_factor x reprobe_every_s); a probe that flips the choice resets it."""
+    clock = FakeClock()
+    cfg = GateConfig(warmup_ticks=2, reprobe_every_s=5.0, probe_ticks=2, max_reprobe_factor=4)
+    gate = MtpGate(cfg, clock=clock)
+    drive(gate, clock, 1, 7, plain_tps=100, spec_tps=50)   # warm-up: plain wins
+    assert not gate.choose(1)
+    starts, last = [], False
+    while clock.t < 80:
+        spec = drive(gate, clock, 1, 1, plain_tps=100, spec_tps=50)[0]
+        if spec and not last:
+            starts.append(clock.t)
+        last = spec
+    # A probe runs 3 ticks (0.3 s, the switch tick included); the wait counts from its end.
+    gaps = [b - a - 0.3 for a, b in zip(starts, starts[1:])]
+    assert gaps[:4] == pytest.approx([10, 20, 20, 20], abs=0.15)  # after 5 s: 10, 20 (cap)
+    # Speculation starts winning: the next probe flips the choice and the wait is 5 s again.
+    while not drive(gate, clock, 1, 1, plain_tps=100, spec_tps=300)[0]:
+        clock.t += 1.0
+    drive(gate, clock, 1, 6, plain_tps=100, spec_tps=300)
+    assert gate.choose(1) and gate.observe()[0] is MtpMode.ON
+    flipped_at = clock.t
+    while drive(gate, clock, 1, 1, plain_tps=100, spec_tps=300)[0]:
+        clock.t += 1.0
+    assert clock.t - flipped_at == pytest.approx(5.0, abs=1.0)
+
+
+def test_a_mode_rate_is_tokens_over_seconds_not_a_mean_of_tick_rates():
+    """Ticks of 1 token in 1 ms and in 3 ms deliver 2 tokens in 4 ms: 500 tok/s. A mean
+    of the per-tick rates (667) would favour a mode whose ticks vary in length."""
+    gate = MtpGate(GateConfig(ema_alpha=0.5, warmup_ticks=100), clock=FakeClock())
+    for _ in range(20):
+        gate.record(1, False, tokens=1, seconds=0.001)
+        gate.record(1, False, tokens=1, seconds=0.003)
+    assert gate.figures(1)["plain_tps"] == pytest.approx(500, rel=0.15)
+    assert gate.observe()[1] == pytest.approx(500, rel=0.15)
+
+
 def test_switch_ticks_do_not_poison_the_choice():
     """The first speculative tick after plain ones has no drafts, and the first plain tick
     after speculative ones settles the switch: both slow. Speculation that is 12% faster in
@@ -133,7 +172,8 @@ def test_acceptance_per_depth_is_an_ema_of_accepted_over_drafted():
                                         (dict(ema_alpha=0.0), "ema_alpha"),
                                         (dict(warmup_ticks=0), "warmup_ticks"),
                                         (dict(turn_on_ratio=0.9), "hysteresis"),
-                                        (dict(reprobe_every_s=0), "reprobe_every_s")])
+                                        (dict(reprobe_every_s=0), "reprobe_every_s"),
+                                        (dict(max_reprobe_factor=0), "max_reprobe_factor")])
 def test_bad_settings_name_the_field(bad, field):
     with pytest.raises(GateError, match=field):
         GateConfig(**bad)

@@ -5,9 +5,18 @@ on how often drafts are accepted, so the gate measures instead of predicting: de
 tokens per second of wall clock (tokens committed to requests, not tokens computed), as an
 EMA per batch-size bucket and per mode. Until both modes have `warmup_ticks` samples in a
 bucket it runs them in turn, in bursts of ticks (probing); then it keeps the faster one,
-switching only past an asymmetric margin (turning on needs a clear win, turning off a clear loss) so noise does not
-flip it tick to tick; every `reprobe_every_s` it runs the other mode for `probe_ticks` ticks,
-because load and acceptance drift. With the policy "on" or "off" it never probes.
+switching only past an asymmetric margin (turning on needs a clear win, turning off a clear
+loss) so noise does not flip it tick to tick; every `reprobe_every_s` it runs the other mode
+for `probe_ticks` ticks, because load and acceptance drift. A probe that confirms the
+standing choice doubles the wait before the bucket's next one (up to `max_reprobe_factor`
+times the first), and a change of choice resets it: where speculation loses by 2x (large
+batches on a CPU) each probe tick costs a plain tick extra, and a bucket that keeps losing
+need not be asked as often. With the policy "on" or "off" it never probes.
+
+A mode's rate is an EMA of tokens over an EMA of seconds, not an EMA of each tick's
+tokens/seconds: the mean of per-tick rates overweights short ticks (Jensen), and pipelined
+plain ticks vary more in length than speculative ones, which always wait for their step
+(4% above the delivered rate at batch 1 on the built-in model, `metrale bench mtp`).
 
 The first tick after a switch of mode is not a sample of either: a speculative step right
 after plain ones has no drafts to verify yet (drafts come from the step before), and a plain
@@ -50,6 +59,7 @@ class GateConfig:
     turn_on_ratio: float = 1.05    # speculation must beat plain by 5% to be switched on
     turn_off_ratio: float = 0.95   # and lose by 5% to be switched off again
     reprobe_every_s: float = 20.0  # how long a choice stands before the other mode is retried
+    max_reprobe_factor: int = 16   # the wait doubles per confirming probe, up to this many x
     probe_ticks: int = 4           # ticks one re-probe runs the other mode
 
     def __post_init__(self) -> None:
@@ -65,6 +75,9 @@ class GateConfig:
                             f"{self.turn_off_ratio} and {self.turn_on_ratio}")
         if self.reprobe_every_s <= 0:
             raise GateError(f"reprobe_every_s: must be positive, got {self.reprobe_every_s}")
+        if type(self.max_reprobe_factor) is not int or self.max_reprobe_factor < 1:
+            raise GateError("max_reprobe_factor: must be a positive integer, got "
+                            f"{self.max_reprobe_factor!r}")
 
 
 def _ema(old: float | None, new: float, alpha: float) -> float:
@@ -77,14 +90,31 @@ def batch_bucket(batch_size: int) -> int:
 
 
 @dataclasses.dataclass
+class _Rate:
+    """Tokens per second as a ratio of two EMAs (see the module docstring)."""
+
+    tokens: float | None = None
+    seconds: float | None = None
+
+    def add(self, tokens: int, seconds: float, alpha: float) -> None:
+        self.tokens = _ema(self.tokens, float(tokens), alpha)
+        self.seconds = _ema(self.seconds, seconds, alpha)
+
+    @property
+    def tps(self) -> float | None:
+        return None if self.seconds is None else self.tokens / self.seconds
+
+
+@dataclasses.dataclass
 class _Bucket:
     """What the gate knows about one batch-size bucket."""
 
-    tps: dict[bool, float | None] = dataclasses.field(
-        default_factory=lambda: {False: None, True: None})    # speculative? -> tokens/s EMA
+    rate: dict[bool, _Rate] = dataclasses.field(
+        default_factory=lambda: {False: _Rate(), True: _Rate()})  # speculative? -> rate
     samples: dict[bool, int] = dataclasses.field(default_factory=lambda: {False: 0, True: 0})
     speculating: bool = False      # the standing choice
     decided_at: float = 0.0        # when the choice last stood fresh (re-probe timer)
+    reprobe_after: float = 0.0     # seconds from decided_at to the next re-probe
     probe_left: int = 0            # ticks of the current re-probe still to run
 
     def warm(self, need: int) -> bool:
@@ -99,7 +129,7 @@ class MtpGate:
         self.num_depths = num_depths
         self._buckets: dict[int, _Bucket] = {}
         self._mode = MtpMode.OFF       # what the last `choose` decided
-        self._delivered_tps = 0.0      # EMA over every tick, whichever mode ran
+        self._delivered = _Rate()      # over every tick, whichever mode ran
         self._acceptance: list[float | None] = [None] * num_depths
         # Warm-up runs each mode for a burst of ticks in a row, across buckets (the batch
         # size moves while sequences come and go; a sequence's drafts are its own).
@@ -111,7 +141,7 @@ class MtpGate:
 
     def observe(self) -> tuple[MtpMode, float]:
         """The snapshot's (mtp_mode, delivered_tps)."""
-        return self._mode, self._delivered_tps
+        return self._mode, self._delivered.tps or 0.0
 
     def acceptance(self) -> tuple[float, ...]:
         """EMA of the acceptance rate at each draft depth (0.0 before any draft)."""
@@ -120,7 +150,7 @@ class MtpGate:
     def figures(self, batch_size: int) -> dict:
         """Per-mode tokens/s and sample counts of a bucket (for benchmarks and tests)."""
         b = self._buckets.get(batch_bucket(batch_size), _Bucket())
-        return {"plain_tps": b.tps[False], "speculative_tps": b.tps[True],
+        return {"plain_tps": b.rate[False].tps, "speculative_tps": b.rate[True].tps,
                 "plain_samples": b.samples[False], "speculative_samples": b.samples[True],
                 "speculating": b.speculating}
 
@@ -147,7 +177,7 @@ class MtpGate:
                 self._burst_left = self.config.warmup_ticks + 1  # + the switch tick
             self._burst_left -= 1
             return self._burst_mode
-        if not b.probe_left and self.clock.now() - b.decided_at >= self.config.reprobe_every_s:
+        if not b.probe_left and self.clock.now() - b.decided_at >= b.reprobe_after:
             b.probe_left = self.config.probe_ticks
         if b.probe_left:
             self._mode = MtpMode.PROBING
@@ -162,8 +192,7 @@ class MtpGate:
         if seconds <= 0:
             return  # nothing measurable (a clock that did not move)
         alpha = self.config.ema_alpha
-        tps = tokens / seconds
-        self._delivered_tps = _ema(self._delivered_tps or None, tps, alpha)
+        self._delivered.add(tokens, seconds, alpha)
         for d, (a, n) in enumerate(zip(accepted, drafted)):
             if n:
                 self._acceptance[d] = _ema(self._acceptance[d], a / n, alpha)
@@ -172,7 +201,7 @@ class MtpGate:
         if switched:
             return  # a switch tick: not what either mode delivers in a run (see above)
         b = self._bucket(batch_size)
-        b.tps[speculative] = _ema(b.tps[speculative], tps, alpha)
+        b.rate[speculative].add(tokens, seconds, alpha)
         b.samples[speculative] += 1
         if self.config.policy != "auto" or not b.warm(self.config.warmup_ticks):
             return
@@ -181,18 +210,26 @@ class MtpGate:
             if b.probe_left:
                 return
             b.decided_at = self.clock.now()  # the probe is over: the choice stands afresh
+            if not self._decide(b):  # confirmed: wait longer before asking again
+                b.reprobe_after = min(2 * b.reprobe_after, self.config.reprobe_every_s
+                                      * self.config.max_reprobe_factor)
+            return
         self._decide(b)
 
-    def _decide(self, b: _Bucket) -> None:
-        plain, spec = b.tps[False], b.tps[True]
+    def _decide(self, b: _Bucket) -> bool:
+        """Flip the bucket's choice past the hysteresis margin; True when it flipped."""
+        plain, spec = b.rate[False].tps, b.rate[True].tps
         flip = (spec < plain * self.config.turn_off_ratio if b.speculating
                 else spec > plain * self.config.turn_on_ratio)
         if flip:
             b.speculating = not b.speculating
             b.decided_at = self.clock.now()
+            b.reprobe_after = self.config.reprobe_every_s
+        return flip
 
     def _bucket(self, batch_size: int) -> _Bucket:
         key = batch_bucket(batch_size)
         if key not in self._buckets:
-            self._buckets[key] = _Bucket(decided_at=self.clock.now())
+            self._buckets[key] = _Bucket(decided_at=self.clock.now(),
+                                         reprobe_after=self.config.reprobe_every_s)
         return self._buckets[key]
