@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from pallas_kernels._pallas import next_pow2
 from pallas_kernels.cpu import (amx_matmul as cpu_amx, build as cpu_build,
-                                paged_attention as cpu_attention, small_matmul as cpu_matmul)
+                                packed_matmul as cpu_packed, paged_attention as cpu_attention,
+                                small_matmul as cpu_matmul)
 from pallas_kernels.mtp import kernel as mtp_kernel, reference as mtp_reference
 from pallas_kernels.paged_attention import kernel as attn_kernel, reference as attn_reference
 from pallas_kernels.ssm_scan import kernel as ssd_kernel, reference as ssd_reference
@@ -53,9 +54,15 @@ class KernelOps:
         applied to a few rows runs the small-matmul custom call where it streams the
         weights faster than XLA (`small_matmul.takes`: bf16 always, large f32 layers), and
         a bf16 layer applied to more rows runs on the AMX tiles where the processor has
-        them (`amx_matmul.takes`)."""
+        them (`amx_matmul.takes`). A layer with a packed copy of its kernel
+        (model/packing.py) applied to a decode step's rows reads that instead, except where
+        more than a few bf16 rows can go to AMX."""
         kernel = layer.kernel[...]
-        if self.cpu_kernels and cpu_matmul.takes(x.shape[0], kernel):
+        packed = getattr(layer, "packed", None)
+        if (self.cpu_kernels and packed is not None and cpu_packed.takes(x, packed[...])
+                and (x.shape[0] <= cpu_matmul.MAX_ROWS or not cpu_amx.takes(x, kernel))):
+            y = cpu_packed.packed_matmul(x, packed[...], kernel.shape[1])
+        elif self.cpu_kernels and cpu_matmul.takes(x.shape[0], kernel):
             y = cpu_matmul.small_matmul(x, kernel)
         elif self.cpu_kernels and cpu_amx.takes(x, kernel):
             if layer.bias is None and layer.dtype == jnp.bfloat16:  # rounded once, in the kernel

@@ -22,6 +22,7 @@ from metrale_jax.config import EngineConfig
 from metrale_jax.model.caches import (DeviceCaches, allocate_caches, kv_cache_dtype,
                                       num_kv_blocks)
 from metrale_jax.model.hybrid import HybridLM
+from metrale_jax.model.packing import memory_budget, pack_linears
 from metrale_jax.parallel.placement import TensorParallel
 from metrale_jax.runner import hugepages
 from metrale_jax.runner.buckets import BucketLadders, CompileCounter, StepShape
@@ -67,15 +68,23 @@ class ModelRunner:
         if self.placement is not None:
             ops = model.use_ops(self.placement.kernel_ops(ops))
         model.logits_sharding = self.placement.replicated if self.placement else None
-        self.step = StepRunner(model, counter, store=ProgramStore.from_setting(
-            engine.program_cache), store_tag=f"{model.cfg!r} {ops!r}",
-            placement=self.placement)
         # Speculative decoding drafts with the MTP modules, whose attention layers then get
         # KV pages too (same blocks, more layers); off, they get none.
         spec = engine.speculative
         if spec is not None:
             spec.check_model(model.cfg.num_mtp_modules, "the model")
         self.spec_depth = spec.num_speculative_tokens if spec is not None else 0
+        # Decode rows on the CPU kernels read packed copies of the kernels (one device:
+        # the copies are not sharded); the MTP modules' only while speculation can run.
+        self.packed_bytes = 0
+        if getattr(ops, "cpu_kernels", False) and self.placement is None:
+            modules = [model.blocks, *([model.lm_head] if hasattr(model, "lm_head") else []),
+                       *([model.mtp] if self.spec_depth else [])]
+            self.packed_bytes = pack_linears(*modules, budget=memory_budget())
+        self.step = StepRunner(model, counter, store=ProgramStore.from_setting(
+            engine.program_cache),
+            store_tag=f"{model.cfg!r} {ops!r} packed={self.packed_bytes}",
+            placement=self.placement)
         self.num_blocks = num_kv_blocks(model.cfg, engine, with_mtp=self.spec_depth > 0)
         # Slot 0 is the null slot, then one per running sequence (its SSM state and its
         # future-token cell), then the SSM snapshot slots.

@@ -41,6 +41,8 @@ TARGETS = {"metrale_paged_attention": "MetralePagedAttention",
            "metrale_write_kv_pages_bf16": "MetraleWriteKvPagesBf16",
            "metrale_small_matmul_f32": "MetraleSmallMatmulF32",
            "metrale_small_matmul_bf16": "MetraleSmallMatmulBf16",
+           "metrale_packed_matmul_f32": "MetralePackedMatmulF32",
+           "metrale_packed_matmul_bf16": "MetralePackedMatmulBf16",
            "metrale_amx_matmul_f32": "MetraleAmxMatmulF32",
            "metrale_amx_matmul_bf16": "MetraleAmxMatmulBf16"}
 
