@@ -308,12 +308,15 @@ def test_bench_throughput_transformers_peer_smoke(tmp_path, tiny_llama):
 def test_bench_compare_smoke(tmp_path, tiny_llama):
     assert main(["bench", "compare", "--model", str(tiny_llama), "--peers", "transformers",
                  "--concurrency", "1", "2", "--input-len", "6", "--output-len", "4",
-                 "--overhead-batches", "1", "--overhead-ticks", "2", "--overhead-rounds", "1",
+                 "--rounds", "2", "--overhead-batches", "1", "--overhead-ticks", "2", "--overhead-rounds", "1",
                  "--roofline-batches", "1", "--name", "cmp",
                  "--output-dir", str(tmp_path)]) == 0
     rec = json.loads((tmp_path / "cmp.json").read_text())
     offline = {(r["engine"], r["concurrency"]) for r in rec["offline"]}
     assert offline == {(e, c) for e in ("metrale_jax", "transformers") for c in (1, 2)}
+    for r in rec["offline"]:  # the best of two rounds, both recorded
+        assert r["output_tokens_per_s"] == max(r["rounds_output_tokens_per_s"])
+        assert len(r["rounds_output_tokens_per_s"]) == 2
     assert {(r["engine"], r["concurrency"]) for r in rec["served"]} == {
         ("metrale_jax", 1), ("metrale_jax", 2)}
     assert all(r["failed"] == 0 and r["output_tokens"] == r["completed"] * 4

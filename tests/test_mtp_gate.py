@@ -26,11 +26,11 @@ def drive(gate: MtpGate, clock: FakeClock, batch: int, ticks: int, plain_tps: fl
 def test_warm_up_probes_both_modes_then_keeps_the_faster():
     clock = FakeClock()
     gate = MtpGate(GateConfig(warmup_ticks=3), clock=clock)
-    # A burst of each mode; the speculative burst is one tick longer, as its first tick
-    # (the switch) is not a sample.
+    # A burst of each mode, each until it has its samples: the speculative burst is one
+    # tick longer, as its first tick (the switch) is not a sample.
     first = drive(gate, clock, 1, 8, plain_tps=100, spec_tps=170)
-    assert first == [False] * 4 + [True] * 4
-    assert gate.figures(1)["plain_samples"] == 4 and gate.figures(1)["speculative_samples"] == 3
+    assert first == [False] * 3 + [True] * 5
+    assert gate.figures(1)["plain_samples"] == 3 and gate.figures(1)["speculative_samples"] == 4
     assert all(drive(gate, clock, 1, 20, plain_tps=100, spec_tps=170))
     mode, tps = gate.observe()
     assert mode is MtpMode.ON and tps == pytest.approx(170, rel=0.01)
@@ -137,6 +137,59 @@ def test_switch_ticks_do_not_poison_the_choice():
     gate = MtpGate(GateConfig(reprobe_every_s=1e9), clock=clock)
     drive(gate, clock, 1, 40, plain_tps=112, spec_tps=100, switch_tps=40)
     assert not gate.choose(1) and gate.observe()[0] is MtpMode.OFF
+
+
+def drive_pipelined(gate: MtpGate, clock: FakeClock, ticks: int, plain_tps: float,
+                    spec_tps: float, early_tps: float) -> list[bool]:
+    """The pipelined tick loop's order: each tick chooses its mode, then records the tick
+    before it. A plain step that ran ahead and is read back early because the next tick
+    speculates delivers `early_tps` (its seconds cut short); the first tick after a switch
+    delivers half its mode's rate."""
+    chosen: list[bool] = []
+    for _ in range(ticks):
+        spec = gate.choose(1)
+        if chosen:
+            last = chosen[-1]
+            tps = spec_tps if last else plain_tps
+            if len(chosen) > 1 and chosen[-2] != last:
+                tps /= 2
+            if not last and spec:
+                tps = early_tps
+            gate.record(1, last, tokens=round(tps * 0.1), seconds=0.1)
+        chosen.append(spec)
+        clock.t += 0.1
+    return chosen
+
+
+def test_the_tick_read_back_early_for_a_switch_is_not_a_sample():
+    """Speculation 3% faster than plain in a run: inside the hysteresis, so plain stays, and
+    a plain tick cut short by a switch (4x its rate) must not flip the choice back and forth
+    (it did: every such tick made plain look faster right after a flip to speculation)."""
+    clock = FakeClock()
+    gate = MtpGate(GateConfig(reprobe_every_s=1e9), clock=clock)
+    chosen = drive_pipelined(gate, clock, 200, plain_tps=100, spec_tps=103, early_tps=400)
+    flips = sum(a != b for a, b in zip(chosen[40:], chosen[41:]))
+    assert flips == 0 and not chosen[-1]
+    assert gate.figures(1)["plain_tps"] == pytest.approx(100, rel=0.02)
+    # Speculation 20% faster: chosen, and it stays chosen.
+    gate = MtpGate(GateConfig(reprobe_every_s=1e9), clock=clock)
+    chosen = drive_pipelined(gate, clock, 200, plain_tps=100, spec_tps=120, early_tps=400)
+    assert all(chosen[40:])
+
+
+def test_a_fresh_choice_stands_a_few_samples():
+    clock = FakeClock()
+    gate = MtpGate(GateConfig(warmup_ticks=2, probe_ticks=3, reprobe_every_s=1e9),
+                   clock=clock)
+    # Warm-up: two plain samples, a switch tick and two speculative ones, then the flip.
+    assert drive(gate, clock, 1, 5, plain_tps=100, spec_tps=150) == [False] * 2 + [True] * 3
+    assert gate.figures(1)["speculating"]
+    # Speculation collapses at once: two samples after the flip do not flip it back...
+    assert drive(gate, clock, 1, 2, plain_tps=100, spec_tps=10) == [True, True]
+    assert gate.choose(1)
+    # ...the third does: the choice has stood its samples and is judged.
+    gate.record(1, True, tokens=1, seconds=0.1)
+    assert not gate.choose(1)
 
 
 @pytest.mark.parametrize("policy, expect, mode", [("on", True, MtpMode.ON),

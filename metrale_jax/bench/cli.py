@@ -208,7 +208,8 @@ def _compare(args) -> int:
     spec = CompareSpec(
         checkpoint=args.model, concurrencies=tuple(args.concurrency),
         input_len=args.input_len, output_len=args.output_len, waves=args.waves,
-        threads=args.threads, peers=tuple(args.peers), offline=not args.no_offline,
+        rounds=args.rounds, threads=args.threads, peers=tuple(args.peers),
+        offline=not args.no_offline,
         served=not args.no_served, overhead_batches=tuple(args.overhead_batches),
         roofline_batches=tuple(args.roofline_batches), overhead_ticks=args.overhead_ticks,
         overhead_rounds=args.overhead_rounds, gguf=args.gguf,
@@ -362,6 +363,9 @@ def add_parser(sub) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--waves", type=int, default=1,
                    help="requests per level: max(2, waves x concurrency)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="offline: the engines take turns this many times per level, each "
+                        "one's best round kept (a machine whose speed drifts)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--peers", nargs="*", default=["transformers", "llama.cpp"],
                    choices=("transformers", "llama.cpp"))

@@ -25,6 +25,7 @@ class CompareSpec:
     input_len: int = 128
     output_len: int = 128
     waves: int = 1                          # requests per level: max(2, waves * concurrency)
+    rounds: int = 1                         # offline: engines take turns, best round kept
     threads: int | None = None              # peers' CPU threads (default: all cores)
     peers: tuple[str, ...] = ("transformers", "llama.cpp")
     offline: bool = True
@@ -37,6 +38,10 @@ class CompareSpec:
     llama_server: str | None = None
     llama_src: str | None = None
     seed: int = 0
+
+    def __post_init__(self):
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be at least 1, got {self.rounds}")
 
     def requests(self, concurrency: int, seed_offset: int = 0) -> list[BenchRequest]:
         n = max(2, self.waves * concurrency)
@@ -69,27 +74,44 @@ def _log(msg: str) -> None:
     print(f"[compare] {msg}", flush=True)
 
 
-def offline_rows(spec: CompareSpec, gguf: str | None) -> list[dict]:
+def _offline_engines(spec: CompareSpec, gguf: str | None) -> dict:
+    """Each engine of the offline comparison: name -> run(requests, concurrency) -> row."""
     from metrale_jax.bench.throughput import run_metrale_offline
 
+    engines = {"metrale": lambda reqs, c: run_metrale_offline(spec.checkpoint, reqs, c)}
+    if "transformers" in spec.peers:
+        from metrale_jax.bench.peers import hf
+
+        engines["transformers"] = lambda reqs, c: hf.run_offline(spec.checkpoint, reqs, c,
+                                                                 threads=spec.threads)
+    if gguf is not None:
+        from metrale_jax.bench.peers import llamacpp
+
+        engines["llama.cpp"] = lambda reqs, c: llamacpp.run_offline(gguf, reqs, c,
+                                                                    threads=spec.threads)
+    return engines
+
+
+def offline_rows(spec: CompareSpec, gguf: str | None) -> list[dict]:
+    """Per level, every engine on the same requests, in turns for `spec.rounds` rounds (the
+    machine's speed drifts: turns spread the drift over every engine); each engine's best
+    round is its row, with every round's tok/s beside it."""
+    engines = _offline_engines(spec, gguf)
     rows = []
     for c in spec.concurrencies:
         reqs = spec.requests(c)
-        r = run_metrale_offline(spec.checkpoint, reqs, c).as_dict()
-        _log(f"offline metrale c={c}: {r['output_tokens_per_s']} tok/s")
-        rows.append(r)
-        if "transformers" in spec.peers:
-            from metrale_jax.bench.peers import hf
-
-            r = hf.run_offline(spec.checkpoint, reqs, c, threads=spec.threads).as_dict()
-            _log(f"offline transformers c={c}: {r['output_tokens_per_s']} tok/s")
-            rows.append(r)
-        if gguf is not None:
-            from metrale_jax.bench.peers import llamacpp
-
-            r = llamacpp.run_offline(gguf, reqs, c, threads=spec.threads).as_dict()
-            _log(f"offline llama.cpp c={c}: {r['output_tokens_per_s']} tok/s")
-            rows.append(r)
+        runs: dict[str, list[dict]] = {name: [] for name in engines}
+        for _ in range(spec.rounds):
+            for name, run in engines.items():
+                r = run(reqs, c).as_dict()
+                _log(f"offline {name} c={c}: {r['output_tokens_per_s']} tok/s")
+                runs[name].append(r)
+        for name, rounds in runs.items():
+            best = max(rounds, key=lambda r: r["output_tokens_per_s"])
+            if spec.rounds > 1:
+                best = {**best, "rounds_output_tokens_per_s": [r["output_tokens_per_s"]
+                                                               for r in rounds]}
+            rows.append(best)
     return rows
 
 

@@ -23,6 +23,12 @@ after plain ones has no drafts to verify yet (drafts come from the step before),
 step right after speculative ones pays for the settle of the switch. Counted, those ticks
 made speculation look 10-20% slower than it runs at small batches (measured with
 `metrale bench mtp`); so bursts and probes run one tick longer than the samples they need.
+Nor is the last tick before a switch, where the tick loop records a step after choosing the
+next one (the pipelined loop): a plain step that runs ahead is read back early when the next
+tick speculates, so its seconds are cut short (0.3-0.5 ms against 1.2 at batch 1 on the
+built-in model); counted, it made plain look faster right after every flip to speculation,
+and the gate flipped back and forth, paying two slow switch ticks each time. And a choice
+that just flipped stands for `probe_ticks` samples of its mode before it is judged again.
 
 When the gate says off the engine runs exactly the plain step: a speculator that is merely
 disabled still costs time (vLLM V0 measured it), so "off" must mean no MTP work at all.
@@ -116,6 +122,7 @@ class _Bucket:
     decided_at: float = 0.0        # when the choice last stood fresh (re-probe timer)
     reprobe_after: float = 0.0     # seconds from decided_at to the next re-probe
     probe_left: int = 0            # ticks of the current re-probe still to run
+    standing: int = 1 << 30        # samples of the standing choice's mode since it flipped
 
     def warm(self, need: int) -> bool:
         return min(self.samples.values()) >= need
@@ -133,9 +140,9 @@ class MtpGate:
         self._acceptance: list[float | None] = [None] * num_depths
         # Warm-up runs each mode for a burst of ticks in a row, across buckets (the batch
         # size moves while sequences come and go; a sequence's drafts are its own).
-        self._burst_mode = False
-        self._burst_left = 0
+        self._burst_mode: bool | None = None
         self._last_mode: bool | None = None  # the mode of the last tick recorded
+        self._chosen: bool | None = None     # what the last `choose` returned
 
     # ---- queries ------------------------------------------------------------------------
 
@@ -162,20 +169,24 @@ class MtpGate:
 
     def choose(self, batch_size: int) -> bool:
         """Speculate this tick? Called once per tick that decodes, before packing."""
+        self._chosen = self._choose(batch_size)
+        return self._chosen
+
+    def _choose(self, batch_size: int) -> bool:
         policy = self.config.policy
         if policy != "auto":
             self._mode = MtpMode.ON if policy == "on" else MtpMode.OFF
             return policy == "on"
         b = self._bucket(batch_size)
-        if not b.warm(self.config.warmup_ticks):
-            # Bursts of ticks in a row, the mode with fewer samples first (plain on a tie):
-            # drafts come from the tick before, so alternating tick by tick would measure a
+        need = self.config.warmup_ticks
+        if not b.warm(need):
+            # Bursts of ticks in a row, each until its mode has the samples (the ticks at a
+            # switch are none), the mode with fewer samples first (plain on a tie): drafts
+            # come from the tick before, so alternating tick by tick would measure a
             # speculative step that never has drafts to verify.
             self._mode = MtpMode.PROBING
-            if not self._burst_left:
+            if self._burst_mode is None or b.samples[self._burst_mode] >= need:
                 self._burst_mode = b.samples[True] < b.samples[False]
-                self._burst_left = self.config.warmup_ticks + 1  # + the switch tick
-            self._burst_left -= 1
             return self._burst_mode
         if not b.probe_left and self.clock.now() - b.decided_at >= b.reprobe_after:
             b.probe_left = self.config.probe_ticks
@@ -197,12 +208,15 @@ class MtpGate:
             if n:
                 self._acceptance[d] = _ema(self._acceptance[d], a / n, alpha)
         switched = self._last_mode is not None and speculative != self._last_mode
+        leaving = self._chosen is not None and speculative != self._chosen
         self._last_mode = speculative
-        if switched:
-            return  # a switch tick: not what either mode delivers in a run (see above)
+        if switched or leaving:
+            return  # a tick at a switch: not what either mode delivers in a run (see above)
         b = self._bucket(batch_size)
         b.rate[speculative].add(tokens, seconds, alpha)
         b.samples[speculative] += 1
+        if speculative == b.speculating:
+            b.standing += 1
         if self.config.policy != "auto" or not b.warm(self.config.warmup_ticks):
             return
         if b.probe_left and speculative != b.speculating:
@@ -218,6 +232,8 @@ class MtpGate:
 
     def _decide(self, b: _Bucket) -> bool:
         """Flip the bucket's choice past the hysteresis margin; True when it flipped."""
+        if b.standing < self.config.probe_ticks:
+            return False  # a fresh choice stands a few samples before it is judged
         plain, spec = b.rate[False].tps, b.rate[True].tps
         flip = (spec < plain * self.config.turn_off_ratio if b.speculating
                 else spec > plain * self.config.turn_on_ratio)
@@ -225,6 +241,7 @@ class MtpGate:
             b.speculating = not b.speculating
             b.decided_at = self.clock.now()
             b.reprobe_after = self.config.reprobe_every_s
+            b.standing = 0
         return flip
 
     def _bucket(self, batch_size: int) -> _Bucket:
