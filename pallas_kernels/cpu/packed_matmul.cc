@@ -40,6 +40,17 @@ constexpr int64_t kMinParallelWeights = int64_t{1} << 16;
 using metrale::Bf16;
 using metrale::ToFloat;
 
+#ifdef __AVX512F__
+// A block's 32 sums of each of ROWS rows, into rows of y (row stride N).
+template <int ROWS>
+void StoreSums(const __m512 (&acc)[ROWS][2], float* y, int64_t N) {
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_storeu_ps(y + r * N, acc[r][0]);
+    _mm512_storeu_ps(y + r * N + 16, acc[r][1]);
+  }
+}
+#endif
+
 // One block of 32 columns for ROWS rows, float32 weights: blk is [K, 32]. One chain of
 // accumulators per row and vector, whatever ROWS is: a row's sums come out the same in
 // any batch (even one chain per vector streams ~90 GB/s from cache, far above memory).
@@ -57,10 +68,7 @@ void Block(const float* x, int64_t K, const float* blk, float* y, int64_t N) {
       acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    _mm512_storeu_ps(y + r * N, acc[r][0]);
-    _mm512_storeu_ps(y + r * N + 16, acc[r][1]);
-  }
+  StoreSums<ROWS>(acc, y, N);
 #else
   for (int r = 0; r < ROWS; ++r) {
     float out[kBlock] = {};
@@ -100,10 +108,7 @@ void Block(const Bf16* x, int64_t K, const Bf16* blk, float* y, int64_t N) {
   __m512 acc[ROWS][2];  // as for float32: one chain per row and vector
   for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) DotPair<ROWS>(x, K, blk + p * 2 * kBlock, p, acc);
-  for (int r = 0; r < ROWS; ++r) {
-    _mm512_storeu_ps(y + r * N, acc[r][0]);
-    _mm512_storeu_ps(y + r * N + 16, acc[r][1]);
-  }
+  StoreSums<ROWS>(acc, y, N);
 #else
   for (int r = 0; r < ROWS; ++r) {
     float out[kBlock] = {};
