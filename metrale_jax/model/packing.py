@@ -3,9 +3,10 @@
 A decode step streams every weight once, and on the CPU how fast it does depends on the
 order of the reads: `pallas_kernels/cpu/packed_matmul.py` reads kernels packed into
 contiguous column blocks ~1.3-1.8x faster than the model's `[in, out]` layout. The copy
-sits beside the kernel (prefill chunks keep reading the kernel through XLA's dots), so it costs the weights' memory once more, and it is made
-once, when the runner takes the model (if the copies fit in half the available memory): a
-kernel changed afterwards must be packed again.
+sits beside the kernel (prefill chunks keep reading the kernel through XLA's dots), so it
+costs the weights' memory once more, and it is made once, when the runner takes the model
+(if the copies fit in half the available memory): a kernel changed afterwards must be
+packed again.
 """
 
 from __future__ import annotations
