@@ -22,7 +22,8 @@ The first tick after a switch of mode is not a sample of either: a speculative s
 after plain ones has no drafts to verify yet (drafts come from the step before), and a plain
 step right after speculative ones pays for the settle of the switch. Counted, those ticks
 made speculation look 10-20% slower than it runs at small batches (measured with
-`metrale bench mtp`); so bursts and probes run one tick longer than the samples they need.
+`metrale bench mtp`); so a warm-up burst runs until its mode has its samples, and a
+probe one tick longer than the samples it needs.
 Nor is the last tick before a switch, where the tick loop records a step after choosing the
 next one (the pipelined loop): a plain step that runs ahead is read back early when the next
 tick speculates, so its seconds are cut short (0.3-0.5 ms against 1.2 at batch 1 on the
