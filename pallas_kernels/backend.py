@@ -29,6 +29,13 @@ from pallas_kernels.ssm_scan import kernel as ssd_kernel, reference as ssd_refer
 BACKENDS = ("auto", "pallas", "xla")
 
 
+def _finish(layer, y):
+    """A custom call's f32 product `y` as `layer(x)` returns it: bias added, layer dtype."""
+    if layer.bias is not None:
+        y = y + layer.bias[...].astype(jnp.float32)
+    return y.astype(layer.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelOps:
     use_pallas: bool = False
@@ -59,8 +66,7 @@ class KernelOps:
         more than a few bf16 rows can go to AMX."""
         kernel = layer.kernel[...]
         packed = getattr(layer, "packed", None)
-        if (self.cpu_kernels and packed is not None and cpu_packed.takes(x, packed[...])
-                and (x.shape[0] <= cpu_matmul.MAX_ROWS or not cpu_amx.takes(x, kernel))):
+        if self.reads_packed(x, packed, kernel):
             y = cpu_packed.packed_matmul(x, packed[...], kernel.shape[1])
         elif self.cpu_kernels and cpu_matmul.takes(x.shape[0], kernel):
             y = cpu_matmul.small_matmul(x, kernel)
@@ -70,9 +76,36 @@ class KernelOps:
             y = cpu_amx.amx_matmul(x, kernel)
         else:
             return layer(x)
-        if layer.bias is not None:
-            y = y + layer.bias[...].astype(jnp.float32)
-        return y.astype(layer.dtype)
+        return _finish(layer, y)
+
+    def linear_group(self, layers, x, packed):
+        """`layer(x)` for each of `layers` (nnx.Linear over the same input). `packed`: one
+        packed copy of their kernels side by side (model/packing.py `PACK_GROUPS`), or
+        None; where a decode step's rows would read packed copies, the group is one call
+        that streams all of them (one hand-off to the kernel's threads, not one per
+        layer), split by columns afterwards."""
+        kernel = layers[0].kernel[...]
+        if not self.reads_packed(x, packed, kernel):
+            return tuple(self.linear(layer, x) for layer in layers)
+        widths = [layer.kernel.shape[1] for layer in layers]
+        y = cpu_packed.packed_matmul(x, packed[...], sum(widths))
+        starts = [sum(widths[:i]) for i in range(len(widths))]
+        return tuple(_finish(layer, y[:, a:a + n])
+                     for layer, a, n in zip(layers, starts, widths))
+
+    def reads_packed(self, x, packed, kernel=None) -> bool:
+        """Whether rows `x` read `packed` (a packed copy of `kernel` [in, out], or None)
+        through the packed matmul: the decode steps' rows in the copy's dtype, except
+        where more than a few bf16 rows can go to the AMX tiles (with a `kernel` to
+        give them)."""
+        return (self.cpu_kernels and packed is not None and cpu_packed.takes(x, packed[...])
+                and (x.shape[0] <= cpu_matmul.MAX_ROWS or kernel is None
+                     or not cpu_amx.takes(x, kernel)))
+
+    @staticmethod
+    def packed_product(x, packed, n: int):
+        """`x @ w` in float32 from `packed`, the packed copy of `w` [in, n] (`reads_packed`)."""
+        return cpu_packed.packed_matmul(x, packed[...], n)
 
     def write_kv_pages(self, k_pages, v_pages, k, v, slot_mapping):
         if self.cpu_kernels and k_pages.dtype == jnp.bfloat16:

@@ -7,6 +7,8 @@ paths, and a step of a model with packed layers equals one without."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -167,11 +169,50 @@ def _stepper(model):
     return run
 
 
-def test_a_model_with_packed_layers_steps_like_one_without():
-    plain, packed = random_model(PACKED_LLAMA), random_model(PACKED_LLAMA)
+def test_a_group_is_one_call_that_equals_its_layers():
+    kw = dict(dtype=jnp.float32, param_dtype=jnp.float32, preferred_element_type=jnp.float32)
+
+    class Group(nnx.Module):
+        PACK_GROUPS = {"abc_packed": ("a", "b", "c")}
+
+        def __init__(self):
+            rngs = nnx.Rngs(1)
+            self.a = nnx.Linear(256, 256, use_bias=True, rngs=rngs, **kw)
+            self.b = nnx.Linear(256, 100, use_bias=True, rngs=rngs, **kw)  # not whole blocks
+            self.c = nnx.Linear(256, 64, rngs=rngs, **kw)
+
+    group = Group()
+    for layer in (group.a, group.b):
+        layer.bias[...] = jnp.linspace(-1, 1, layer.bias.shape[0])
+    assert pack_linears(group) == 256 * 448 * 4  # one copy: 420 columns in 14 blocks
+    assert not any(hasattr(layer, "packed") for layer in (group.a, group.b, group.c))
+    layers = (group.a, group.b, group.c)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 256)), jnp.float32)
+    fn = jax.jit(lambda x: CPU.linear_group(layers, x, group.abc_packed))
+    assert fn.lower(x).as_text().count("metrale_packed_matmul") == 1
+    for got, layer in zip(fn(x), layers):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(XLA.linear(layer, x)),
+                                   rtol=1e-5, atol=1e-5)
+    # Rows the packed matmul does not take: each layer on its own path.
+    many = jnp.ones((pm.MAX_ROWS + 1, 256), jnp.float32)
+    assert [y.shape for y in CPU.linear_group(layers, many, group.abc_packed)] == [
+        (pm.MAX_ROWS + 1, n) for n in (256, 100, 64)]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_model_with_packed_layers_steps_like_one_without(tied):
+    cfg = dataclasses.replace(PACKED_LLAMA, tie_word_embeddings=tied)
+    plain, packed = random_model(cfg), random_model(cfg)
     for model in (plain, packed):
         model.use_ops(CPU)
-    assert pack_linears(packed.blocks, packed.lm_head) > 0
+    heads = [] if tied else [packed.lm_head]
+    assert pack_linears(packed.blocks, *heads, tied_head=packed if tied else None) > 0
+    # q/k/v and gate/up are one copy each; the tied head reads the embedding's.
+    attention, mlp = packed.blocks[0].mixer, packed.blocks[1].mixer
+    assert isinstance(attention.qkv_packed, PackedKernel) and not hasattr(
+        attention.q_proj, "packed")
+    assert isinstance(mlp.gate_up_packed, PackedKernel) and hasattr(mlp.down_proj, "packed")
+    assert tied == hasattr(packed, "logits_packed")
     plain, packed = _stepper(plain), _stepper(packed)
     prompt, table = list(range(1, 12)), [1, 2, 3, 4]
     shape = StepShape(tokens=16, rows=1, query_len=16, max_blocks=4)

@@ -8,7 +8,7 @@ from jaxtyping import Array, Float
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.layers import RMSNorm, linear
-from metrale_jax.model.lora import BlockLora, group_deltas, project
+from metrale_jax.model.lora import BlockLora, group_deltas, project, project_group
 from metrale_jax.model.rope import inverse_frequencies, rope_tables, rotate
 from pallas_kernels.backend import XLA, KernelOps
 
@@ -17,6 +17,9 @@ KVPages = tuple[Float[Array, "blocks kv_heads block_size head_dim"],
 
 
 class Attention(nnx.Module):
+    # Layers over one input whose kernels get one packed copy side by side (model/packing.py).
+    PACK_GROUPS = {"qkv_packed": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, ops: KernelOps = XLA):
         self.cfg = cfg
         self.ops = ops  # static: which kernels (HybridLM.use_kernels)
@@ -33,10 +36,12 @@ class Attention(nnx.Module):
                  lora: BlockLora | None = None) -> tuple[Float[Array, "T D"], KVPages]:
         cfg = self.cfg
         t = x.shape[0]
-        dq, dk, dv = group_deltas(lora, "qkv", x, ("q_proj", "k_proj", "v_proj"))
-        q = project(self.q_proj, x, dq, self.ops).reshape(t, cfg.num_heads, cfg.head_dim)
-        k = project(self.k_proj, x, dk, self.ops).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = project(self.v_proj, x, dv, self.ops).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        deltas = group_deltas(lora, "qkv", x, ("q_proj", "k_proj", "v_proj"))
+        q, k, v = project_group((self.q_proj, self.k_proj, self.v_proj), x, deltas, self.ops,
+                                getattr(self, "qkv_packed", None))
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.use_rope:

@@ -122,7 +122,10 @@ class HybridLM(nnx.Module):
         return self.final_norm(x), DeviceCaches(tuple(kv), tuple(conv), tuple(ssm)), keep
 
     def logits(self, hidden: Float[Array, "N D"]) -> Float[Array, "N V"]:
-        if self.cfg.tie_word_embeddings:
+        packed = getattr(self, "logits_packed", None)  # model/packing.py: tied_head
+        if self.cfg.tie_word_embeddings and self.ops.reads_packed(hidden, packed):
+            logits = self.ops.packed_product(hidden, packed, self.cfg.vocab_size)
+        elif self.cfg.tie_word_embeddings:
             # f32 accumulation and result: on XLA:CPU a bf16 dot with a bf16 result is slow.
             logits = jnp.dot(hidden, self.embed.embedding[...].T,
                              preferred_element_type=jnp.float32).astype(jnp.float32)

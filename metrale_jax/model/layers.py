@@ -8,7 +8,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.model.lora import BlockLora, group_deltas, project
+from metrale_jax.model.lora import BlockLora, group_deltas, project, project_group
 from pallas_kernels.backend import XLA
 
 
@@ -70,6 +70,9 @@ class GatedRMSNorm(nnx.Module):
 class MLP(nnx.Module):
     """Gated SiLU (Llama, Qwen3) or the plain squared-ReLU MLP (NemotronH)."""
 
+    # Layers over one input whose kernels get one packed copy side by side (model/packing.py).
+    PACK_GROUPS = {"gate_up_packed": ("gate_proj", "up_proj")}
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.ops = XLA  # static: which kernels (HybridLM.use_kernels)
         self.kind = cfg.mlp_kind
@@ -85,9 +88,10 @@ class MLP(nnx.Module):
         # the f32 form's time (it rounds after each op), and this is the more exact product.
         f32 = jnp.float32
         if self.kind == "gated_silu":
-            d_gate, d_up = group_deltas(lora, "gate_up", x, ("gate_proj", "up_proj"))
-            gate = project(self.gate_proj, x, d_gate, self.ops).astype(f32)
-            h = jax.nn.silu(gate) * project(self.up_proj, x, d_up, self.ops).astype(f32)
+            deltas = group_deltas(lora, "gate_up", x, ("gate_proj", "up_proj"))
+            gate, up = project_group((self.gate_proj, self.up_proj), x, deltas, self.ops,
+                                     getattr(self, "gate_up_packed", None))
+            h = jax.nn.silu(gate.astype(f32)) * up.astype(f32)
         else:
             (d_up,) = group_deltas(lora, "gate_up", x, ("up_proj",))
             h = jnp.square(jax.nn.relu(project(self.up_proj, x, d_up, self.ops).astype(f32)))

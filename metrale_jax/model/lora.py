@@ -104,3 +104,13 @@ def project(linear: nnx.Linear, x: Float[Array, "T I"], delta: Float[Array, "T O
     may run as a custom call), plus the tokens' adapter output `delta` when there is one."""
     y = ops.linear(linear, x).astype(linear.dtype)  # 16-bit layers accumulate in f32
     return y if delta is None else y + delta.astype(y.dtype)
+
+
+def project_group(linears: tuple[nnx.Linear, ...], x: Float[Array, "T I"],
+                  deltas: tuple[Float[Array, "T _"] | None, ...], ops, packed,
+                  ) -> tuple[Float[Array, "T _"], ...]:
+    """`project` for layers over one input; `packed`: their kernels' packed copy side by
+    side (model/packing.py), or None (`KernelOps.linear_group`)."""
+    ys = [y.astype(layer.dtype) for y, layer in zip(ops.linear_group(linears, x, packed),
+                                                     linears)]
+    return tuple(y if d is None else y + d.astype(y.dtype) for y, d in zip(ys, deltas))

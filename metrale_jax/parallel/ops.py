@@ -40,6 +40,14 @@ class ShardedOps:
         """Projections stay plain dots under tensor parallelism: XLA partitions them."""
         return layer(x)
 
+    def linear_group(self, layers, x, packed):
+        return tuple(layer(x) for layer in layers)
+
+    @staticmethod
+    def reads_packed(x, packed, kernel=None) -> bool:
+        """No packed copies under tensor parallelism (they are not sharded)."""
+        return False
+
     @property
     def tp(self) -> int:
         return self.mesh.shape["tp"]
