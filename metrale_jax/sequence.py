@@ -86,6 +86,9 @@ class Sequence:
     # them); proposals only, used while the outputs still end where they were made.
     drafts: list[int] = dataclasses.field(default_factory=list)
     drafts_at: int = -1
+    # Positions past `virtual_len` a row packed ahead may write (its drafts, `can_run_ahead`):
+    # its blocks stay while a row is in flight (`Memory.trim`).
+    ahead_reach: int = 0
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -133,6 +136,23 @@ class Sequence:
         if p.max_tokens is not None and self.num_sampled >= p.max_tokens:
             return False
         return self.virtual_len < self.max_len
+
+    def can_run_ahead(self, depth: int) -> bool:
+        """Whether this sequence's next speculative row may be packed before its row in the
+        speculative step ahead is read back (`ScheduledRow.ahead`). That step may emit up
+        to depth+1 tokens, which the host does not know yet, so the row must fit every
+        outcome: the limits are checked for the most it could emit (a row that emits past
+        max_tokens or a stop is cut when read back, as any run). Rows that decode one
+        token at a time (penalties, a pending min_tokens) or under a grammar (its masks
+        need the tokens first) never run ahead."""
+        p = self.params
+        if (self.inflight != 1 or p.uses_penalties or self.grammar_state is not None
+                or self.num_sampled < p.min_tokens):
+            return False
+        most = self.virtual_len + depth          # tokens once the step ahead is read back
+        if most + depth + 1 > self.max_len:      # this row's last draft, then one more
+            return False
+        return p.max_tokens is None or self.num_sampled + depth + depth + 1 <= p.max_tokens
 
     def drafts_to_verify(self, depth: int, budget: int) -> list[int]:
         """The drafts this sequence's next decode row carries (a speculative tick): none

@@ -80,10 +80,20 @@ class ScheduledRow:
     token_mask: np.ndarray | None = None
     # LoRA: the device slot of the row's adapter (0: the base model, no adapter work).
     adapter_slot: int = 0
+    # Speculative steps only: the row was packed before the speculative step ahead of it was
+    # read back. Its tokens are placeholders: the device starts it from that step's newest
+    # token and drafts, `advance` (the drafts that step accepted) positions further on
+    # (`spec_step.place_ahead_rows`). `block_table` covers that far (`reach`).
+    ahead: bool = False
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    @property
+    def reach(self) -> int:
+        """The positions the row may write: past `end` by its drafts when `ahead`."""
+        return self.end + (self.num_drafts if self.ahead else 0)
 
     @property
     def verified_end(self) -> int:

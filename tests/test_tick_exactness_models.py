@@ -291,3 +291,40 @@ def test_sampled_requests_run_under_speculation(default_engines):
     engine.drain()
     assert all(len(r.sequences[0].output_ids) == 16 for r in reqs)
     assert_accounted(engine.core)
+
+
+def _run_batch(engine: LLMEngine, prompts, params, pipeline: bool):
+    engine.levers.set(mtp_policy="on", pipeline_enabled=pipeline, prefix_cache_enabled=True)
+    reqs = [engine.make_request({"prompt_token_ids": p}, q) for p, q in zip(prompts, params)]
+    for r in reqs:
+        engine.submit(r)
+    while not all(r.finished for r in reqs):
+        engine.step()
+    engine.drain()
+    return [[(s.output_ids, s.finish_reason) for s in r.sequences] for r in reqs]
+
+
+@pytest.mark.parametrize("model", ["default", "nemotronh"])
+def test_rows_packed_ahead_equal_the_read_back_ones(default_engines, nemotron_engines,
+                                                    model, monkeypatch):
+    """Pipelined speculation: decodes are packed before the speculative step ahead is read
+    back, and the device moves each row on by the drafts that step accepted. Greedy and
+    seeded sampled runs (whose random streams count the tokens sampled) then emit what
+    the same requests emit with every step read back first, limits near the end included
+    (the last rows cannot run ahead and the loop settles)."""
+    import metrale_jax.scheduler.lanes as lanes
+    packed_ahead = []
+    real = lanes._ahead_row
+    monkeypatch.setattr(lanes, "_ahead_row",
+                        lambda seq, depth: packed_ahead.append(seq.uid) or real(seq, depth))
+    engine = (default_engines if model == "default" else nemotron_engines)["roomy"]
+    prompts = [[SHARED[i % len(SHARED)], 300 + 7 * i, 41] for i in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + 3 * i, ignore_eos=True)
+              for i in range(2)] + [
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=24 + i,
+                             ignore_eos=True, n=1 + i) for i in range(2)]
+    settled = _run_batch(engine, prompts, params, pipeline=False)
+    assert not packed_ahead
+    assert _run_batch(engine, prompts, params, pipeline=True) == settled
+    assert len(packed_ahead) > 10
+    assert_accounted(engine.core)

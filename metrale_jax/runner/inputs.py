@@ -33,6 +33,11 @@ class RowChunk:
     def end(self) -> int:
         return self.start + len(self.tokens)
 
+    @property
+    def reach(self) -> int:
+        """The positions the row may write (a speculative row's may lie past `end`)."""
+        return self.end
+
 
 def build_step_batch(rows: Sequence[RowChunk], shape: StepShape, block_size: int,
                      ) -> StepBatch:
@@ -55,9 +60,9 @@ def build_step_batch(rows: Sequence[RowChunk], shape: StepShape, block_size: int
     for i, row in enumerate(rows):
         table = row.block_table
         width = min(len(table), mb)
-        needed = -(-(row.start + lens[i]) // block_size)
+        needed = -(-row.reach // block_size)
         if needed > width:
-            raise ValueError(f"row {i}: {row.start + lens[i]} tokens need {needed} blocks, "
+            raise ValueError(f"row {i}: {row.reach} tokens need {needed} blocks, "
                              f"table has {len(table)}, bucket {mb}")
         block_tables[i, :width] = table[:width]
 

@@ -80,7 +80,8 @@ class ModelRunner:
         if getattr(ops, "cpu_kernels", False) and self.placement is None:
             modules = [model.blocks, *([model.lm_head] if hasattr(model, "lm_head") else []),
                        *([model.mtp] if self.spec_depth else [])]
-            self.packed_bytes = pack_linears(*modules, budget=memory_budget())
+            tied = model if model.cfg.tie_word_embeddings else None
+            self.packed_bytes = pack_linears(*modules, budget=memory_budget(), tied_head=tied)
         self.step = StepRunner(model, counter, store=ProgramStore.from_setting(
             engine.program_cache),
             store_tag=f"{model.cfg!r} {ops!r} packed={self.packed_bytes}",
@@ -168,7 +169,8 @@ class ModelRunner:
         # small part of them; khugepaged collapses them in the background.
         hugepages.advise(self.caches, budget=0)
         self.tables = self._on_devices(allocate_slot_tables(
-            self.num_slots, self.num_seq_slots, self._width, engine.max_logit_bias))
+            self.num_slots, self.num_seq_slots, self._width, engine.max_logit_bias,
+            self.spec_depth))
         # What the host believes each slot's history and bias hold: nothing, now.
         self.book = SlotBook(self.num_seq_slots, self._width, engine.max_logit_bias)
 
@@ -199,7 +201,7 @@ class ModelRunner:
         return self.ladders.shape_for(
             num_tokens=sum(len(r.tokens) for r in rows), num_rows=len(rows),
             widest_chunk=max(len(r.tokens) for r in rows),
-            most_blocks=max(-(-r.end // bs) for r in rows), speculative=speculative)
+            most_blocks=max(-(-r.reach // bs) for r in rows), speculative=speculative)
 
     def run(self, rows: Sequence[ScheduledRow], speculative: bool = False) -> list[RowResult]:
         return self.collect(self.dispatch(rows, speculative))

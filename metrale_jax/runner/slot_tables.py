@@ -3,6 +3,9 @@
 Each running sequence has a slot (`ScheduledRow.ssm_slot`; slot 0 is the null slot). Next to
 its SSM state the device keeps, per slot:
   future   — the latest token sampled in that slot (the async pipeline's hand-off);
+  drafts, advance — after a speculative step, the slot's next drafts and how many drafts
+             it accepted: a row dispatched before that step is read back starts from them
+             (`spec_step.place_ahead_rows`);
   history  — the slot's token ids by position, which the penalties read;
   bias     — the slot's logit-bias entries.
 Every step writes each of its tokens into history[slot, position], so a decoding sequence's
@@ -36,12 +39,17 @@ from metrale_jax.types import ScheduledRow
 class SlotTables:
     future: Int[Array, "N"]     # [slots] each slot's latest sampled token
     sampling: SamplingTables    # [seq slots, ...] history and logit bias per sequence slot
+    drafts: Int[Array, "N K"]   # [slots, k] the last speculative step's drafts (k = 0: none)
+    advance: Int[Array, "N"]    # [slots] drafts that step accepted
 
 
 def allocate_slot_tables(num_slots: int, num_seq_slots: int, history_len: int,
-                         bias_len: int) -> SlotTables:
+                         bias_len: int, depth: int = 0) -> SlotTables:
+    """`depth`: the speculative steps' drafts per row (0: no speculation)."""
     return SlotTables(
         future=jnp.zeros((num_slots,), jnp.int32),
+        drafts=jnp.zeros((num_slots, depth), jnp.int32),
+        advance=jnp.zeros((num_slots,), jnp.int32),
         sampling=SamplingTables(
             history=jnp.full((num_seq_slots, history_len), -1, jnp.int32),
             bias_ids=jnp.full((num_seq_slots, bias_len), -1, jnp.int32),

@@ -12,20 +12,25 @@ from metrale_jax.types import RowResult, ScheduledRow
 
 
 def spec_inputs(rows: Sequence[ScheduledRow], num_rows: int, depth: int) -> SpecInputs:
-    """Per row: how many drafts end its chunk, whether it samples, and the known tokens
-    after it (padding rows: no drafts, not sampling)."""
+    """Per row: how many drafts end its chunk, whether it samples, the known tokens after
+    it, and whether it was packed ahead (padding rows: no drafts, not sampling)."""
     num_drafts = np.zeros(num_rows, np.int32)
     samples = np.zeros(num_rows, np.bool_)
     follow = np.full((num_rows, depth), -1, np.int32)
+    ahead = np.zeros(num_rows, np.bool_)
     for i, r in enumerate(rows):
         if r.num_drafts > depth or r.num_drafts >= len(r.tokens):
             raise ValueError(f"row {i}: {r.num_drafts} drafts in a chunk of {len(r.tokens)} "
                              f"tokens (at most {depth}, after at least one known token)")
+        if r.ahead and not (r.num_drafts == depth and len(r.tokens) == depth + 1):
+            raise ValueError(f"row {i}: a row packed ahead is one token and {depth} drafts, "
+                             f"got {len(r.tokens)} tokens with {r.num_drafts} drafts")
         num_drafts[i] = r.num_drafts
+        ahead[i] = r.ahead
         samples[i] = not len(r.follow)
         known = list(r.follow)[:depth]
         follow[i, :len(known)] = known
-    return SpecInputs(num_drafts=num_drafts, samples=samples, follow=follow)
+    return SpecInputs(num_drafts=num_drafts, samples=samples, follow=follow, ahead=ahead)
 
 
 def unpack_speculative(rows: Sequence[ScheduledRow], s, ranks, prompt, spec,

@@ -17,6 +17,11 @@ its own K/V there (so later drafts attend over the whole context), and at each r
 verified position proposes the next draft. Prefill chunks in the same batch fill their MTP
 K/V the same way, reading the known prompt tokens past the chunk (`SpecInputs.follow`).
 Drafts are only proposals: a poor one costs acceptance, never exactness.
+
+The async pipeline: each step leaves every row's newest token, its k drafts and how many
+drafts it accepted in the row's slot (`SlotTables.future`, `.drafts`, `.advance`), so the
+host can pack the next speculative step before reading this one back. Such a row is laid
+out as if nothing was accepted, and `place_ahead_rows` fills in its tokens and moves it on.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from metrale_jax.model.lora import LoraInputs
 from metrale_jax.runner.sampler import (SampleResult, SamplingArrays, raw_logprobs, row_keys,
                                         target_logits, token_ranks)
 from metrale_jax.runner.penalties import SamplingTables
+from metrale_jax.runner.slot_tables import SlotTables
 from metrale_jax.runner.token_mask import TokenMask, apply_token_mask
 from pallas_kernels.backend import KernelOps
 from pallas_kernels.scatter import set_rows
@@ -46,6 +52,8 @@ class SpecInputs:
     samples: Bool[Array, "S"]     # [S] the chunk reaches the sequence's end (it samples)
     follow: Int[Array, "S K"]     # [S, K] known tokens after a chunk that does not sample
                                   # (the prompt goes on), -1 where unknown
+    ahead: Bool[Array, "S"]       # [S] the row was packed before the speculative step ahead
+                                  # of it was read back (`place_ahead_rows`)
 
 
 @jax.tree_util.register_dataclass
@@ -53,6 +61,48 @@ class SpecInputs:
 class SpecResult:
     accepted: Int[Array, "S"]     # [S] drafts accepted per row
     drafts: Int[Array, "S K"]     # [S, K] the next step's drafts for each row
+
+
+def place_ahead_rows(batch: StepBatch, sampling: SamplingArrays, spec: SpecInputs,
+                     tables: SlotTables, block_size: int,
+                     ) -> tuple[StepBatch, SamplingArrays]:
+    """Rows the host packed before the speculative step ahead of them was read back (the
+    async pipeline): the host laid each out as if that step had accepted no draft, with
+    placeholder tokens. Here each such row takes its slot's newest token and drafts, and
+    moves `advance[slot]` positions on (its positions, KV slots, context and sampling
+    counters), so it runs exactly as the row the host would have packed after reading
+    back. `block_size`: the KV pages' (0: no attention layers)."""
+    t = batch.num_tokens
+    row, col = batch.token_row, batch.token_col
+    # A token is its row's own (not padding, which reads row 0) where the gather map agrees.
+    own = batch.gather_valid[row, col] & (batch.gather_index[row, col] == jnp.arange(t))
+    shift = jnp.where(spec.ahead, tables.advance[batch.ssm_slots], 0)          # [S]
+    moved = own & spec.ahead[row]                                              # [T]
+    slot = batch.ssm_slots[row]
+    run = jnp.concatenate([tables.future[:, None], tables.drafts], axis=1)     # [N, k+1]
+    token_ids = jnp.where(moved, run[slot, jnp.minimum(col, run.shape[1] - 1)],
+                          batch.token_ids)
+    positions = batch.positions + jnp.where(moved, shift[row], 0)
+    slot_mapping = batch.slot_mapping
+    if block_size:
+        page = jnp.take_along_axis(batch.block_tables[row], (positions // block_size)[:, None],
+                                   axis=1, mode="clip")[:, 0]
+        slot_mapping = jnp.where(moved, page * block_size + positions % block_size,
+                                 slot_mapping)
+    batch = dataclasses.replace(batch, token_ids=token_ids, positions=positions,
+                                slot_mapping=slot_mapping,
+                                context_lens=batch.context_lens + shift)
+    sampling = dataclasses.replace(sampling, counters=sampling.counters + shift,
+                                   history_lens=sampling.history_lens + shift)
+    return batch, sampling
+
+
+def keep_for_ahead_rows(tables: SlotTables, slots: Int[Array, "S"], result: SpecResult,
+                        ) -> SlotTables:
+    """Each row's next drafts and accepted count into its slot, for a row packed before
+    this step is read back (padding rows write the null slot)."""
+    return dataclasses.replace(tables, drafts=tables.drafts.at[slots].set(result.drafts),
+                               advance=tables.advance.at[slots].set(result.accepted))
 
 
 def verify_and_draft(model: HybridLM, batch: StepBatch, sampling: SamplingArrays,

@@ -38,7 +38,8 @@ from metrale_jax.runner.program_store import ProgramStore
 from metrale_jax.runner.sampler import (SampleResult, SamplingArrays, logprobs_of, sample,
                                         token_ranks)
 from metrale_jax.runner.slot_tables import SlotTables, record_tokens
-from metrale_jax.runner.spec_step import SpecInputs, SpecResult, verify_and_draft
+from metrale_jax.runner.spec_step import (SpecInputs, SpecResult, keep_for_ahead_rows,
+                                          place_ahead_rows, verify_and_draft)
 from metrale_jax.runner.stored_step import StoredStep
 from metrale_jax.runner.token_mask import MaskSource, TokenMask, apply_token_mask
 from metrale_jax.runner.transfer import Layout, pack, unpack
@@ -246,6 +247,9 @@ def _forward(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: D
     else:
         batch, targets = inputs
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    if options.spec_depth:
+        block_size = caches.kv[0][0].shape[2] if caches.kv else 0
+        batch, sampling = place_ahead_rows(batch, sampling, spec, tables, block_size)
     # Tokens still on the device from the previous step arrive as -slot placeholders.
     ids = batch.token_ids
     batch = dataclasses.replace(batch, token_ids=jnp.where(
@@ -262,8 +266,9 @@ def _forward(graphdef, treedef, leaves, buffers: dict[str, jax.Array], caches: D
         # The future cell gets each row's last emitted token.
         newest = jnp.take_along_axis(sampled.tokens.reshape(batch.num_rows, -1),
                                      result.accepted[:, None], axis=1)[:, 0]
-        tables = dataclasses.replace(tables, future=tables.future.at[batch.ssm_slots].set(
-            newest))
+        tables = keep_for_ahead_rows(dataclasses.replace(
+            tables, future=tables.future.at[batch.ssm_slots].set(newest)),
+            batch.ssm_slots, result)
     else:
         hidden, caches = model(batch, caches, adapters)
         # Grammar masks before everything that reads the distribution: sampling, the

@@ -73,7 +73,9 @@ def _settle_drafts(seq: Sequence, p: PackedRow, result: RowResult, memory: Memor
     seq.num_computed += accepted
     seq.drafts, seq.drafts_at = list(result.drafts), len(seq.output_ids)
     if p.row.num_drafts:
-        if memory.commit_blocks(seq):  # deferred from dispatch: the state is final now
+        # Deferred from dispatch: the state is final now, unless a row packed ahead is in
+        # flight (the slot's SSM state then moves on before a copy would run): no snapshot.
+        if memory.commit_blocks(seq) and not seq.inflight:
             memory.snapshot_boundary(seq)
         memory.trim(seq)
 

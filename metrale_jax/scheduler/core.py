@@ -161,10 +161,12 @@ class SchedulerCore:
 
     def run_lanes(self, plan: TickPlan) -> None:
         self._speculating = self._choose_speculation()
-        # A speculative step is never overlapped: its rows' lengths depend on how many
-        # drafts the step before accepted, so the host reads that back first.
+        # A row's length after a speculative step depends on how many drafts it accepted:
+        # the host reads that back first, unless every decode can run ahead of it (the
+        # device then starts each row where its accepted drafts end).
         ahead_speculative = self.inflight is not None and self.inflight[0].speculative
-        self._settle_if(speculative=self._speculating or ahead_speculative)
+        self._settle_if(speculative=(self._speculating or ahead_speculative)
+                        and not self._runs_ahead())
         if self.levers_now.pipeline_enabled:
             self._overlap_lanes(plan)
         else:
@@ -265,13 +267,31 @@ class SchedulerCore:
             self.prefilling.append(seq)
 
     def _choose_speculation(self) -> bool:
-        """Phase 8's mode (the seed's gate): speculate this tick? Only with decodes."""
+        """Phase 8's mode (the seed's gate): speculate this tick?"""
         if self.gate is None:
             return False
         if self.gate.config.policy != self.levers_now.mtp_policy:
             self.gate.set_policy(self.levers_now.mtp_policy)
         self._decoding = sum(s.status is Status.RUNNING for s in self.active)
-        return self._decoding > 0 and self.gate.choose(self._decoding)
+        if not self._decoding:
+            # Prefills only: the speculative step writes the prompts' MTP K/V, which every
+            # later draft attends over (a plain step would leave those pages stale, and the
+            # drafts, so a seeded sampled run's rejection path, would depend on what ran
+            # in them before). Nothing to measure for the gate.
+            return self.gate.config.policy != "off"
+        return self.gate.choose(self._decoding)
+
+    def _runs_ahead(self) -> bool:
+        """Whether this speculative tick's decodes are packed before the speculative step
+        ahead is read back: the pipeline is on, nothing but decodes would run, and each
+        of them can (`Sequence.can_run_ahead`)."""
+        if not (self._speculating and self.levers_now.pipeline_enabled
+                and self.inflight is not None and self.inflight[0].speculative):
+            return False
+        decoding = [s for s in self.active
+                    if s.status is Status.RUNNING and s.may_sample_more()]
+        return (bool(decoding) and not self.prefilling
+                and all(s.can_run_ahead(self.spec_depth) for s in decoding))
 
     def _pack(self) -> list[PackedRow]:
         """Pack one batch; when a decode finds no block, settle, make room and pack again."""
@@ -280,7 +300,7 @@ class SchedulerCore:
         depth = self.spec_depth if self._speculating else 0
         while True:
             packing = pack_lanes(self.active, self.prefilling, self.memory, self.levers_now,
-                                 no_room, depth)
+                                 no_room, depth, ahead=bool(depth) and self._runs_ahead())
             if packing.needs_room is None:
                 break
             self._settle_if(needs_room=True)

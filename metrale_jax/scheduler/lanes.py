@@ -85,18 +85,40 @@ def _row(seq: Sequence, chunk: list[int], drafts: list[int] = (), spec_depth: in
     return PackedRow(seq, seq.epoch, samples, scheduled)
 
 
+def _ahead_row(seq: Sequence, spec_depth: int) -> PackedRow:
+    """A decode row packed before the speculative step ahead is read back: its last token
+    and drafts are that step's outputs, still on the device (placeholders here), and it
+    starts as many positions later as that step accepted drafts. Its blocks cover the
+    most that step could have accepted."""
+    seq.ahead_reach = spec_depth
+    scheduled = ScheduledRow([-seq.slot] * (spec_depth + 1), seq.num_computed,
+                             seq.block_table, seq.slot, seq.row_sampling(), (), seq.uid,
+                             num_drafts=spec_depth, adapter_slot=seq.adapter_slot, ahead=True)
+    return PackedRow(seq, seq.epoch, True, scheduled)
+
+
 def pack_lanes(active: list[Sequence], prefilling: list[Sequence], memory: Memory,
                levers: LeverValues, skip: Collection[int] = (), spec_depth: int = 0,
-               ) -> Packing:
+               ahead: bool = False) -> Packing:
     """One batch from the running lists; `skip` holds ids of decodes that found no room.
     `spec_depth` > 0: a speculative tick, where decodes carry their drafts (the budget
-    counts them) and prefill chunks the tokens after them."""
+    counts them) and prefill chunks the tokens after them. `ahead`: the speculative step
+    ahead is not read back yet, and every decode can run ahead of it (the core checked
+    `Sequence.can_run_ahead`): each gets a row the device completes (`_ahead_row`)."""
     budget = levers.max_tokens_per_tick
     packed: list[PackedRow] = []
 
     for seq in active:  # Decode
         if budget == 0 or seq.status is not Status.RUNNING or not seq.may_sample_more() \
                 or id(seq) in skip:
+            continue
+        if ahead:
+            if budget < spec_depth + 1:
+                continue
+            if not memory.grow(seq, seq.num_computed + 2 * spec_depth + 1):
+                return Packing(packed, needs_room=seq)
+            packed.append(_ahead_row(seq, spec_depth))
+            budget -= spec_depth + 1
             continue
         chunk = seq.next_chunk(budget)
         drafts = seq.drafts_to_verify(spec_depth, budget) if spec_depth else []

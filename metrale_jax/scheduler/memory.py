@@ -261,8 +261,10 @@ class Memory:
 
     def trim(self, seq: Sequence) -> None:
         """Give back the blocks past what the sequence's tokens need (a speculative row
-        took blocks for drafts that were rejected); committed blocks are never trimmed."""
-        keep = max(self.blocks_for(seq.virtual_len), len(seq.block_hashes))
+        took blocks for drafts that were rejected) and a row still in flight may write;
+        committed blocks are never trimmed."""
+        reach = seq.ahead_reach if seq.inflight else 0  # a row packed ahead writes there
+        keep = max(self.blocks_for(seq.virtual_len + reach), len(seq.block_hashes))
         if len(seq.block_table) > keep:
             tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
             self.pool.release(tail)

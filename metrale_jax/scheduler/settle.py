@@ -26,7 +26,8 @@ def must_settle(*, pipeline: bool = True, batch_changes: bool = False,
     stopping      — the loop stops, or a caller drains the engine (`LLMEngine.drain`).
     speculative   — this tick runs the speculative step, or the step ahead is one: a
                     sequence's next row starts after the drafts it accepted, which only
-                    the read-back says.
+                    the read-back says; unless every decode can run ahead of it
+                    (`Sequence.can_run_ahead`: the device then starts each row there).
     grammar       — a decoding sequence is grammar-constrained: the mask of its next token
                     depends on the token the step ahead is sampling, so the matcher must
                     take that token first. Settling is the simple exact choice (no
