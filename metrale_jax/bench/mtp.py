@@ -72,12 +72,14 @@ def mtp_benchmark(model: str | None, batches: list[int], output_len: int, rounds
             engine.runner.warmup(progress=False)
             _run(engine, prompts, output_len)
         best = {m: 0.0 for m in MODES}
+        every = {m: [] for m in MODES}
         acceptance = {}
         for _ in range(rounds):
             for mode, engine in engines.items():
                 before = dict(engine.core.tel.counters())
                 elapsed, tokens = _run(engine, prompts, output_len)
                 best[mode] = max(best[mode], tokens / elapsed)
+                every[mode].append(round(tokens / elapsed, 1))
                 if mode != "off":
                     acceptance[mode] = _acceptance(before, engine.core.tel.counters(), depth)
         gate = engines["gated"].core.gate
@@ -85,6 +87,7 @@ def mtp_benchmark(model: str | None, batches: list[int], output_len: int, rounds
         rows.append({"batch": batch, "tok_s": {m: round(v, 1) for m, v in best.items()},
                      "on_over_off": round(best["on"] / best["off"], 3),
                      "gated_over_best": round(best["gated"] / better, 3),
+                     "rounds_tok_s": every,
                      "acceptance_per_depth": acceptance,
                      "gate_figures": gate.figures(batch)})
         for engine in engines.values():

@@ -7,20 +7,29 @@ EMA per batch-size bucket and per mode. Until both modes have `warmup_ticks` sam
 bucket it runs them in turn, in bursts of ticks (probing); then it keeps the faster one,
 switching only past an asymmetric margin (turning on needs a clear win, turning off a clear
 loss) so noise does not flip it tick to tick; every `reprobe_every_s` it runs the other mode
-for `probe_ticks` ticks, because load and acceptance drift. A probe that confirms the
-standing choice doubles the wait before the bucket's next one (up to `max_reprobe_factor`
-times the first), and a change of choice resets it: where speculation loses by 2x (large
-batches on a CPU) each probe tick costs a plain tick extra, and a bucket that keeps losing
-need not be asked as often. With the policy "on" or "off" it never probes.
+for `probe_ticks` ticks (its figure measured afresh), because load and acceptance drift. A
+probe that confirms the standing choice doubles the wait before the bucket's next one (up
+to `max_reprobe_factor` times the first), and a change of choice resets it: where
+speculation loses by 2x (large batches on a CPU) each probe tick costs a plain tick extra,
+and a bucket that keeps losing need not be asked as often. The first choice after warm-up
+is re-probed early, after `first_reprobe_ticks` of its samples: warm-up runs on the first
+ticks of a start, which are slow (first runs of freshly compiled programs), and at batch 4
+on the built-in model a plain burst measured at a tenth of its rate had kept speculation
+on, 0.7x plain, until the timed re-probe. The re-probe timer counts the bucket's own ticks,
+not the wall clock: idle time changes neither mode's cost, and counted, it made every burst
+of work after a pause start with a probe (10% of a 128-token request at batch 1). With the
+policy "on" or "off" it never probes.
 
 A mode's rate is an EMA of tokens over an EMA of seconds, not an EMA of each tick's
 tokens/seconds: the mean of per-tick rates overweights short ticks (Jensen), and pipelined
-plain ticks vary more in length than speculative ones, which always wait for their step
-(4% above the delivered rate at batch 1 on the built-in model, `metrale bench mtp`).
+ticks vary in length (4% above the delivered rate at batch 1 on the built-in model,
+`metrale bench mtp`, when speculative ticks still waited for their step).
 
 The first tick after a switch of mode is not a sample of either: a speculative step right
-after plain ones has no drafts to verify yet (drafts come from the step before), and a plain
-step right after speculative ones pays for the settle of the switch. Counted, those ticks
+after plain ones has no drafts to verify yet (drafts come from the step before) and waits
+for the plain one ahead, and a plain step right after speculative ones pays for the settle
+of the switch (a row's start after a speculative step is the device's to know; only
+speculative steps run ahead of speculative ones). Counted, those ticks
 made speculation look 10-20% slower than it runs at small batches (measured with
 `metrale bench mtp`); so a warm-up burst runs until its mode has its samples, and a
 probe one tick longer than the samples it needs.
@@ -65,15 +74,21 @@ class GateConfig:
     warmup_ticks: int = 6          # samples of each mode in a bucket before choosing
     turn_on_ratio: float = 1.05    # speculation must beat plain by 5% to be switched on
     turn_off_ratio: float = 0.95   # and lose by 5% to be switched off again
-    reprobe_every_s: float = 20.0  # how long a choice stands before the other mode is retried
+    reprobe_every_s: float = 20.0  # seconds of a bucket's ticks a choice stands before the
+                                   # other mode is retried (idle time is not counted)
     max_reprobe_factor: int = 16   # the wait doubles per confirming probe, up to this many x
     probe_ticks: int = 4           # ticks one re-probe runs the other mode
+    first_reprobe_ticks: int = 64  # the first choice is re-probed after this many of its
+                                   # samples, whatever the clock says (0: not early)
 
     def __post_init__(self) -> None:
         if self.policy not in GATE_POLICIES:
             raise GateError(f"policy: must be one of {GATE_POLICIES}, got {self.policy!r}")
         if not 0.0 < self.ema_alpha <= 1.0:
             raise GateError(f"ema_alpha: must be in (0, 1], got {self.ema_alpha}")
+        if self.first_reprobe_ticks < 0:
+            raise GateError(f"first_reprobe_ticks: must be at least 0, got "
+                            f"{self.first_reprobe_ticks}")
         for name in ("warmup_ticks", "probe_ticks"):
             if getattr(self, name) < 1:
                 raise GateError(f"{name}: must be at least 1, got {getattr(self, name)}")
@@ -120,10 +135,13 @@ class _Bucket:
         default_factory=lambda: {False: _Rate(), True: _Rate()})  # speculative? -> rate
     samples: dict[bool, int] = dataclasses.field(default_factory=lambda: {False: 0, True: 0})
     speculating: bool = False      # the standing choice
-    decided_at: float = 0.0        # when the choice last stood fresh (re-probe timer)
-    reprobe_after: float = 0.0     # seconds from decided_at to the next re-probe
+    busy_s: float = 0.0            # seconds of this bucket's ticks since the choice
+                                   # last stood fresh (the re-probe timer)
+    reprobe_after: float = 0.0     # busy seconds before the next re-probe
     probe_left: int = 0            # ticks of the current re-probe still to run
     standing: int = 1 << 30        # samples of the standing choice's mode since it flipped
+    kept: int = 0                  # samples of the standing choice since warm-up
+    early_probe: bool = True       # the first choice's early re-probe is still to come
 
     def warm(self, need: int) -> bool:
         return min(self.samples.values()) >= need
@@ -189,8 +207,13 @@ class MtpGate:
             if self._burst_mode is None or b.samples[self._burst_mode] >= need:
                 self._burst_mode = b.samples[True] < b.samples[False]
             return self._burst_mode
-        if not b.probe_left and self.clock.now() - b.decided_at >= b.reprobe_after:
+        early = (b.early_probe and self.config.first_reprobe_ticks
+                 and b.kept >= self.config.first_reprobe_ticks)
+        if not b.probe_left and (early or b.busy_s >= b.reprobe_after):
             b.probe_left = self.config.probe_ticks
+            b.early_probe = False
+            # The other mode's figure is as old as its last run: the probe measures afresh.
+            b.rate[not b.speculating] = _Rate()
         if b.probe_left:
             self._mode = MtpMode.PROBING
             return not b.speculating
@@ -215,16 +238,18 @@ class MtpGate:
             return  # a tick at a switch: not what either mode delivers in a run (see above)
         b = self._bucket(batch_size)
         b.rate[speculative].add(tokens, seconds, alpha)
+        b.busy_s += seconds
         b.samples[speculative] += 1
         if speculative == b.speculating:
             b.standing += 1
+            b.kept += b.warm(self.config.warmup_ticks)
         if self.config.policy != "auto" or not b.warm(self.config.warmup_ticks):
             return
         if b.probe_left and speculative != b.speculating:
             b.probe_left -= 1
             if b.probe_left:
                 return
-            b.decided_at = self.clock.now()  # the probe is over: the choice stands afresh
+            b.busy_s = 0.0  # the probe is over: the choice stands afresh
             if not self._decide(b):  # confirmed: wait longer before asking again
                 b.reprobe_after = min(2 * b.reprobe_after, self.config.reprobe_every_s
                                       * self.config.max_reprobe_factor)
@@ -240,7 +265,7 @@ class MtpGate:
                 else spec > plain * self.config.turn_on_ratio)
         if flip:
             b.speculating = not b.speculating
-            b.decided_at = self.clock.now()
+            b.busy_s = 0.0
             b.reprobe_after = self.config.reprobe_every_s
             b.standing = 0
         return flip
@@ -248,6 +273,5 @@ class MtpGate:
     def _bucket(self, batch_size: int) -> _Bucket:
         key = batch_bucket(batch_size)
         if key not in self._buckets:
-            self._buckets[key] = _Bucket(decided_at=self.clock.now(),
-                                         reprobe_after=self.config.reprobe_every_s)
+            self._buckets[key] = _Bucket(reprobe_after=self.config.reprobe_every_s)
         return self._buckets[key]
