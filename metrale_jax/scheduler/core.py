@@ -91,6 +91,7 @@ class SchedulerCore:
         self.levers_now: LeverValues = levers.get()
         self._order = itertools.count()
         self._speculating = False              # this tick runs the speculative step
+        self._ahead = False                    # ...its decodes packed before the one ahead
         self._decoding = 0                     # decoding sequences this tick (the gate's batch)
         self._last_read_at = 0.0               # when the last step was read back
 
@@ -165,8 +166,9 @@ class SchedulerCore:
         # the host reads that back first, unless every decode can run ahead of it (the
         # device then starts each row where its accepted drafts end).
         ahead_speculative = self.inflight is not None and self.inflight[0].speculative
+        self._ahead = self._runs_ahead()
         self._settle_if(speculative=(self._speculating or ahead_speculative)
-                        and not self._runs_ahead())
+                        and not self._ahead)
         if self.levers_now.pipeline_enabled:
             self._overlap_lanes(plan)
         else:
@@ -300,7 +302,8 @@ class SchedulerCore:
         depth = self.spec_depth if self._speculating else 0
         while True:
             packing = pack_lanes(self.active, self.prefilling, self.memory, self.levers_now,
-                                 no_room, depth, ahead=bool(depth) and self._runs_ahead())
+                                 no_room, depth,
+                                 ahead=self._ahead and self.inflight is not None)
             if packing.needs_room is None:
                 break
             self._settle_if(needs_room=True)
