@@ -73,7 +73,10 @@ def test_a_reprobe_finds_that_the_losing_mode_now_wins():
     chosen = drive(gate, clock, 1, 40, plain_tps=100, spec_tps=180)
     first = chosen.index(True)
     assert 15 <= first <= 25  # ~5 s of ticks after the choice (the warm-up's included)
-    assert all(chosen[first:])  # the re-probe runs the other mode and it stays on
+    # The re-probe runs the other mode (a switch tick and 3 samples), then plain afresh
+    # (as many), and speculation stays on.
+    assert all(chosen[first:first + 4]) and not any(chosen[first + 4:first + 8])
+    assert all(chosen[first + 8:])
     assert gate.choose(1) and gate.observe()[0] is MtpMode.ON
 
 
@@ -102,8 +105,9 @@ def test_confirming_probes_back_off_and_a_flip_resets_the_wait():
         if spec and not last:
             starts.append(clock.t)
         last = spec
-    # A probe runs 3 ticks (0.3 s, the switch tick included); the wait counts from its end.
-    gaps = [b - a - 0.3 for a, b in zip(starts, starts[1:])]
+    # A probe runs 6 ticks (0.6 s): speculation, then plain afresh, 2 samples each after a
+    # switch tick; the wait counts from its end.
+    gaps = [b - a - 0.6 for a, b in zip(starts, starts[1:])]
     assert gaps[:4] == pytest.approx([10, 20, 20, 20], abs=0.25)  # after 5 s: 10, 20 (cap)
     # Speculation starts winning: the next probe flips the choice and the wait is 5 s again.
     while not drive(gate, clock, 1, 1, plain_tps=100, spec_tps=300)[0]:
@@ -193,23 +197,87 @@ def test_a_warm_up_on_slow_first_ticks_is_corrected_early():
     assert drive(gate, clock, 4, 10, plain_tps=140, spec_tps=100)[-1]  # speculation kept
     chosen = drive(gate, clock, 4, 30, plain_tps=140, spec_tps=100)
     assert not chosen[-1] and not gate.figures(4)["speculating"]
-    # Once only: with the timed re-probe far off, plain then stands.
-    assert not any(drive(gate, clock, 4, 100, plain_tps=140, spec_tps=100))
+    # The flip is re-probed early once more (a probe's few ticks may have met a slow
+    # spell); it confirms plain, which then stands with the timed re-probe far off.
+    chosen = drive(gate, clock, 4, 100, plain_tps=140, spec_tps=100)
+    assert 0 < sum(chosen) <= 4 and not any(chosen[-50:])
 
 
-def test_a_fresh_choice_stands_a_few_samples():
+def test_a_probe_measures_the_standing_mode_afresh_after_its_own_switch():
+    """The ticks after any switch run slower (here three at 0.65x). Speculation stands at
+    100 tok/s from a long run; plain runs 112 in a run of its own. A probe that set plain's
+    few post-switch samples (~83) against speculation's long run kept speculation for good;
+    measured afresh after the switch back, speculation reads ~74 and plain wins."""
     clock = FakeClock()
-    gate = MtpGate(GateConfig(warmup_ticks=2, probe_ticks=3, reprobe_every_s=1e9),
-                   clock=clock)
-    # Warm-up: two plain samples, a switch tick and two speculative ones, then the flip.
+    cfg = GateConfig(warmup_ticks=4, probe_ticks=4, reprobe_every_s=1e9,
+                     first_reprobe_ticks=30)
+    gate = MtpGate(cfg, clock=clock)
+    since_switch, chosen = 0, []
+    for tick in range(200):
+        spec = gate.choose(4)
+        since_switch = 0 if chosen and chosen[-1] != spec else since_switch + 1
+        rate = 100 if spec else (20 if tick < 6 else 112)  # plain's warm-up on cold ticks
+        if since_switch <= 3:
+            rate *= 0.65
+        chosen.append(spec)
+        clock.t += 0.1
+        gate.record(4, spec, tokens=round(rate * 0.1 * 10), seconds=1.0)
+    assert any(chosen[10:40])          # the cold warm-up chose speculation...
+    assert not any(chosen[-100:])      # ...and the early probe found plain faster
+    assert not gate.figures(4)["speculating"]
+
+
+def test_prefills_write_mtp_kv_only_where_decodes_are_expected_to_draft():
+    clock = FakeClock()
+    for policy, expect in (("on", True), ("off", False)):
+        assert MtpGate(GateConfig(policy=policy), clock=clock).expects_speculation(8) is expect
+    gate = MtpGate(GateConfig(warmup_ticks=2, reprobe_every_s=1e9), clock=clock)
+    assert gate.expects_speculation(1) and gate.expects_speculation(64)  # cold: warm-up drafts
+    drive(gate, clock, 1, 8, plain_tps=100, spec_tps=170)
+    drive(gate, clock, 60, 8, plain_tps=900, spec_tps=500)
+    assert gate.expects_speculation(1) and not gate.expects_speculation(64)
+    before = gate.figures(64)
+    gate.expects_speculation(64)
+    assert gate.figures(64) == before  # a query: nothing recorded
+    # A tick with prefill chunks follows the bucket of the batch it will decode, and is no
+    # sample: its seconds are the chunks' (recorded with batch 0, only the delivered rate
+    # and the mode of the last tick move).
+    small = gate.figures(1)
+    assert not gate.choose_unmeasured(60) and gate.choose_unmeasured(1)
+    gate.record(0, False, tokens=60, seconds=1.0)
+    assert gate.figures(64) == before and gate.figures(1) == small
+    assert gate.observe()[1] < 900 * 0.95
+
+
+def test_a_standing_mode_that_falls_behind_calls_a_probe_which_decides():
+    clock = FakeClock()
+    gate = MtpGate(GateConfig(warmup_ticks=2, probe_ticks=2, doubt_after=3,
+                              reprobe_every_s=1e9, first_reprobe_ticks=0), clock=clock)
+    # Warm-up: two plain samples, a switch tick and two speculative ones, then the choice.
     assert drive(gate, clock, 1, 5, plain_tps=100, spec_tps=150) == [False] * 2 + [True] * 3
     assert gate.figures(1)["speculating"]
-    # Speculation collapses at once: two samples after the flip do not flip it back...
-    assert drive(gate, clock, 1, 2, plain_tps=100, spec_tps=10) == [True, True]
-    assert gate.choose(1)
-    # ...the third does: the choice has stood its samples and is judged.
-    gate.record(1, True, tokens=1, seconds=0.1)
-    assert not gate.choose(1)
+    # Speculation collapses: it stands its `doubt_after` samples, then a probe runs plain
+    # (a switch tick, 2 samples) and speculation afresh (as many), and plain wins.
+    chosen = drive(gate, clock, 1, 12, plain_tps=100, spec_tps=10)
+    assert chosen[:3] == [True] * 3 and chosen[3:6] == [False] * 3
+    assert chosen[6:9] == [True] * 3 and not any(chosen[9:])
+    assert not gate.figures(1)["speculating"]
+
+
+def test_a_drifting_machine_does_not_flip_on_a_stale_figure():
+    """Plain stands at 100 tok/s, speculation last measured at 90. The machine slows to
+    half for four ticks: set against the stale 90, plain's live figure looked behind,
+    speculation was switched on, and with the machine fast again its live 90 beat plain's
+    figure from the slow ticks, so it stayed on for good. The probe a fall behind calls
+    measures both afresh and keeps plain."""
+    clock = FakeClock()
+    gate = MtpGate(GateConfig(warmup_ticks=3, probe_ticks=3, doubt_after=4,
+                              reprobe_every_s=1e9, first_reprobe_ticks=0), clock=clock)
+    drive(gate, clock, 4, 20, plain_tps=100, spec_tps=90)
+    assert not gate.figures(4)["speculating"]
+    drive(gate, clock, 4, 4, plain_tps=50, spec_tps=45)
+    chosen = drive(gate, clock, 4, 60, plain_tps=100, spec_tps=90)
+    assert not any(chosen[-40:]) and not gate.figures(4)["speculating"]
 
 
 @pytest.mark.parametrize("policy, expect, mode", [("on", True, MtpMode.ON),
@@ -245,6 +313,7 @@ def test_acceptance_per_depth_is_an_ema_of_accepted_over_drafted():
                                         (dict(ema_alpha=0.0), "ema_alpha"),
                                         (dict(warmup_ticks=0), "warmup_ticks"),
                                         (dict(first_reprobe_ticks=-1), "first_reprobe_ticks"),
+                                        (dict(doubt_after=0), "doubt_after"),
                                         (dict(turn_on_ratio=0.9), "hysteresis"),
                                         (dict(reprobe_every_s=0), "reprobe_every_s"),
                                         (dict(max_reprobe_factor=0), "max_reprobe_factor")])

@@ -92,7 +92,8 @@ class SchedulerCore:
         self._order = itertools.count()
         self._speculating = False              # this tick runs the speculative step
         self._ahead = False                    # ...its decodes packed before the one ahead
-        self._decoding = 0                     # decoding sequences this tick (the gate's batch)
+        self._decoding = 0                     # decoding sequences this tick (the gate's
+                                               # batch; 0: the tick is not its sample)
         self._last_read_at = 0.0               # when the last step was read back
 
     # ---- the loop and the tick ------------------------------------------------------------
@@ -161,7 +162,7 @@ class SchedulerCore:
         return TickPlan(admitted=new)
 
     def run_lanes(self, plan: TickPlan) -> None:
-        self._speculating = self._choose_speculation()
+        self._speculating = self._choose_speculation(plan)
         # A row's length after a speculative step depends on how many drafts it accepted:
         # the host reads that back first, unless every decode can run ahead of it (the
         # device then starts each row where its accepted drafts end).
@@ -268,20 +269,25 @@ class SchedulerCore:
             seq.status = Status.PREFILLING
             self.prefilling.append(seq)
 
-    def _choose_speculation(self) -> bool:
+    def _choose_speculation(self, plan: TickPlan) -> bool:
         """Phase 8's mode (the seed's gate): speculate this tick?"""
+        self._decoding = 0  # the gate's batch: 0 unless this tick is one of its samples
         if self.gate is None:
             return False
         if self.gate.config.policy != self.levers_now.mtp_policy:
             self.gate.set_policy(self.levers_now.mtp_policy)
-        self._decoding = sum(s.status is Status.RUNNING for s in self.active)
-        if not self._decoding:
-            # Prefills only: the speculative step writes the prompts' MTP K/V, which every
-            # later draft attends over (a plain step would leave those pages stale, and the
+        if not self.runner.speculation_ready:
+            return False  # its variants still compile beside serving: never wait for one
+        decoding = sum(s.status is Status.RUNNING for s in self.active)
+        if self.prefilling or plan.admitted or not decoding:
+            # Prefill chunks: the speculative step writes the prompts' MTP K/V, which every
+            # later draft attends over (a plain step leaves those pages stale, and the
             # drafts, so a seeded sampled run's rejection path, would depend on what ran
-            # in them before). Nothing to measure for the gate.
-            return self.gate.config.policy != "off"
-        return self.gate.choose(self._decoding)
+            # in them before); it pays where the batch's decodes are expected to draft.
+            return self.gate.choose_unmeasured(
+                len(self.active) + len(self.prefilling) + len(plan.admitted))
+        self._decoding = decoding
+        return self.gate.choose(decoding)
 
     def _runs_ahead(self) -> bool:
         """Whether this speculative tick's decodes are packed before the speculative step
@@ -380,7 +386,7 @@ class SchedulerCore:
             for d, (n, m) in enumerate(zip(committed.accepted, committed.drafted)):
                 self.tel.count(f"spec_decode_num_accepted_tokens_per_pos_{d}", n)
                 self.tel.count(f"spec_decode_num_drafts_per_pos_{d}", m)
-        if self.gate is not None and handle.decoding:
+        if self.gate is not None:
             self.gate.record(handle.decoding, handle.speculative, committed.tokens, now - since,
                              committed.accepted, committed.drafted)
 

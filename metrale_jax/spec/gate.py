@@ -6,14 +6,22 @@ tokens per second of wall clock (tokens committed to requests, not tokens comput
 EMA per batch-size bucket and per mode. Until both modes have `warmup_ticks` samples in a
 bucket it runs them in turn, in bursts of ticks (probing); then it keeps the faster one,
 switching only past an asymmetric margin (turning on needs a clear win, turning off a clear
-loss) so noise does not flip it tick to tick; every `reprobe_every_s` it runs the other mode
-for `probe_ticks` ticks (its figure measured afresh), because load and acceptance drift. A
-probe that confirms the standing choice doubles the wait before the bucket's next one (up
-to `max_reprobe_factor` times the first), and a change of choice resets it: where
-speculation loses by 2x (large batches on a CPU) each probe tick costs a plain tick extra,
-and a bucket that keeps losing need not be asked as often. The first choice after warm-up
-is re-probed early, after `first_reprobe_ticks` of its samples: warm-up runs on the first
-ticks of a start, which are slow (first runs of freshly compiled programs), and at batch 4
+loss) so noise does not flip it tick to tick. A choice changes only where both figures are
+fresh, side by side: at the end of warm-up and of a probe. When the standing mode's live
+figure falls behind the other's last one (`doubt_after` samples after a probe or a flip) it
+calls a probe instead of flipping, as that figure may come from a faster or slower spell of
+a shared machine. Every `reprobe_every_s` it runs the other mode
+for `probe_ticks` ticks (its figure measured afresh), because load and acceptance drift, and
+then the standing mode as many ticks, measured afresh too: the ticks after a switch run
+slower than a long run of either mode (at batch 4 on the built-in model ~1.4 ms against ~1.1
+for plain), so a probed mode measured just after its switch, against the standing mode's
+long run, could lose a probe it should win. A probe that confirms the standing choice
+doubles the wait before the bucket's next one (up to `max_reprobe_factor` times the first),
+and a change of choice resets it: where speculation loses by 2x (large batches on a CPU)
+each probe tick costs a plain tick extra, and a bucket that keeps losing need not be asked
+as often. The first choice after warm-up (and every choice a probe flips) is re-probed
+early, after `first_reprobe_ticks` of its samples: warm-up runs on the first ticks of a
+start, which are slow (first runs of freshly compiled programs), and at batch 4
 on the built-in model a plain burst measured at a tenth of its rate had kept speculation
 on, 0.7x plain, until the timed re-probe. The re-probe timer counts the bucket's own ticks,
 not the wall clock: idle time changes neither mode's cost, and counted, it made every burst
@@ -77,9 +85,12 @@ class GateConfig:
     reprobe_every_s: float = 20.0  # seconds of a bucket's ticks a choice stands before the
                                    # other mode is retried (idle time is not counted)
     max_reprobe_factor: int = 16   # the wait doubles per confirming probe, up to this many x
-    probe_ticks: int = 4           # ticks one re-probe runs the other mode
+    probe_ticks: int = 8           # ticks one re-probe runs the other mode (one slow tick
+                                   # of a shared machine, 3x the others, moves 4 by a third)
     first_reprobe_ticks: int = 64  # the first choice is re-probed after this many of its
                                    # samples, whatever the clock says (0: not early)
+    doubt_after: int = 16          # samples of the standing mode after a probe or a flip
+                                   # before its falling behind calls a probe
 
     def __post_init__(self) -> None:
         if self.policy not in GATE_POLICIES:
@@ -89,7 +100,7 @@ class GateConfig:
         if self.first_reprobe_ticks < 0:
             raise GateError(f"first_reprobe_ticks: must be at least 0, got "
                             f"{self.first_reprobe_ticks}")
-        for name in ("warmup_ticks", "probe_ticks"):
+        for name in ("warmup_ticks", "probe_ticks", "doubt_after"):
             if getattr(self, name) < 1:
                 raise GateError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if not self.turn_off_ratio <= 1.0 <= self.turn_on_ratio:
@@ -139,9 +150,12 @@ class _Bucket:
                                    # last stood fresh (the re-probe timer)
     reprobe_after: float = 0.0     # busy seconds before the next re-probe
     probe_left: int = 0            # ticks of the current re-probe still to run
+    recheck_left: int = 0          # ...then ticks of the standing mode, measured afresh
     standing: int = 1 << 30        # samples of the standing choice's mode since it flipped
     kept: int = 0                  # samples of the standing choice since warm-up
     early_probe: bool = True       # the first choice's early re-probe is still to come
+    judged: bool = False           # the choice after warm-up is made
+    doubt: bool = False            # the standing mode fell behind: probe at the next tick
 
     def warm(self, need: int) -> bool:
         return min(self.samples.values()) >= need
@@ -180,6 +194,18 @@ class MtpGate:
                 "plain_samples": b.samples[False], "speculative_samples": b.samples[True],
                 "speculating": b.speculating}
 
+    def expects_speculation(self, batch_size: int) -> bool:
+        """Whether decodes of this batch size would speculate now (nothing recorded): a
+        tick of prefills alone asks, as writing the prompts' MTP K/V pays only if their
+        decodes will draft (at batch 4 and up on a CPU the gate keeps plain, and the
+        speculative prefill costs ~2x the plain one)."""
+        if self.config.policy != "auto":
+            return self.config.policy == "on"
+        b = self._buckets.get(batch_bucket(batch_size))
+        if b is None or not b.warm(self.config.warmup_ticks):
+            return True
+        return b.speculating or bool(b.probe_left)
+
     # ---- mutations ----------------------------------------------------------------------
 
     def set_policy(self, policy: str) -> None:
@@ -187,8 +213,18 @@ class MtpGate:
         self.config = dataclasses.replace(self.config, policy=policy)
 
     def choose(self, batch_size: int) -> bool:
-        """Speculate this tick? Called once per tick that decodes, before packing."""
+        """Speculate this tick? Called once per tick of decodes alone, before packing."""
         self._chosen = self._choose(batch_size)
+        return self._chosen
+
+    def choose_unmeasured(self, batch_size: int) -> bool:
+        """Speculate this tick, one that carries prefill chunks (`batch_size`: the
+        sequences it will decode)? Such a tick costs what its chunks cost, not what either
+        mode delivers in a run of decodes: it follows the bucket's choice (or its warm-up)
+        and is recorded with batch 0, no sample. Measured, the ramp of a batch of new
+        requests (29 decodes beside 14 prompts, at batch 64) warmed up a bucket of its own
+        with a speculative tick per run at twice the plain one's cost, 5% of the run."""
+        self._chosen = self.expects_speculation(batch_size)
         return self._chosen
 
     def _choose(self, batch_size: int) -> bool:
@@ -209,21 +245,23 @@ class MtpGate:
             return self._burst_mode
         early = (b.early_probe and self.config.first_reprobe_ticks
                  and b.kept >= self.config.first_reprobe_ticks)
-        if not b.probe_left and (early or b.busy_s >= b.reprobe_after):
+        if not (b.probe_left or b.recheck_left) and (early or b.doubt
+                                                      or b.busy_s >= b.reprobe_after):
             b.probe_left = self.config.probe_ticks
-            b.early_probe = False
+            b.early_probe = b.doubt = False
             # The other mode's figure is as old as its last run: the probe measures afresh.
             b.rate[not b.speculating] = _Rate()
-        if b.probe_left:
+        if b.probe_left or b.recheck_left:
             self._mode = MtpMode.PROBING
-            return not b.speculating
+            return b.speculating != bool(b.probe_left)
         self._mode = MtpMode.ON if b.speculating else MtpMode.OFF
         return b.speculating
 
     def record(self, batch_size: int, speculative: bool, tokens: int, seconds: float,
                accepted: Sequence[int] = (), drafted: Sequence[int] = ()) -> None:
         """A settled tick: `tokens` committed to requests in `seconds` of wall clock, by the
-        mode that ran; for a speculative tick, accepted and drafted tokens per depth."""
+        mode that ran; for a speculative tick, accepted and drafted tokens per depth. Batch
+        0: a tick that is no sample of a bucket (`choose_unmeasured`)."""
         if seconds <= 0:
             return  # nothing measurable (a clock that did not move)
         alpha = self.config.ema_alpha
@@ -234,7 +272,7 @@ class MtpGate:
         switched = self._last_mode is not None and speculative != self._last_mode
         leaving = self._chosen is not None and speculative != self._chosen
         self._last_mode = speculative
-        if switched or leaving:
+        if switched or leaving or not batch_size:
             return  # a tick at a switch: not what either mode delivers in a run (see above)
         b = self._bucket(batch_size)
         b.rate[speculative].add(tokens, seconds, alpha)
@@ -247,27 +285,47 @@ class MtpGate:
             return
         if b.probe_left and speculative != b.speculating:
             b.probe_left -= 1
-            if b.probe_left:
+            if not b.probe_left:  # now the standing mode, afresh and after its own switch
+                b.recheck_left = self.config.probe_ticks
+                b.rate[b.speculating] = _Rate()
+            return
+        if b.recheck_left and speculative == b.speculating:
+            b.recheck_left -= 1
+            if b.recheck_left:
                 return
             b.busy_s = 0.0  # the probe is over: the choice stands afresh
             if not self._decide(b):  # confirmed: wait longer before asking again
                 b.reprobe_after = min(2 * b.reprobe_after, self.config.reprobe_every_s
                                       * self.config.max_reprobe_factor)
+                b.standing = 0
             return
-        self._decide(b)
+        if not b.judged:  # warm-up is over: its bursts ran side by side, both figures fresh
+            b.judged = True
+            self._decide(b)
+        elif b.standing >= self.config.doubt_after and self._behind(b):
+            # The standing mode's figure is live, the other's as old as its last run: on a
+            # machine whose speed drifts by a third within minutes, flipping on that
+            # comparison kept speculation on for minutes at batch 4 (0.84x plain); a probe
+            # measures both afresh, side by side, and decides.
+            b.doubt = True
+
+    def _behind(self, b: _Bucket) -> bool:
+        """Whether the standing mode trails the other past the hysteresis margin."""
+        plain, spec = b.rate[False].tps, b.rate[True].tps
+        return (spec < plain * self.config.turn_off_ratio if b.speculating
+                else spec > plain * self.config.turn_on_ratio)
 
     def _decide(self, b: _Bucket) -> bool:
         """Flip the bucket's choice past the hysteresis margin; True when it flipped."""
-        if b.standing < self.config.probe_ticks:
-            return False  # a fresh choice stands a few samples before it is judged
-        plain, spec = b.rate[False].tps, b.rate[True].tps
-        flip = (spec < plain * self.config.turn_off_ratio if b.speculating
-                else spec > plain * self.config.turn_on_ratio)
+        flip = self._behind(b)
         if flip:
             b.speculating = not b.speculating
             b.busy_s = 0.0
             b.reprobe_after = self.config.reprobe_every_s
             b.standing = 0
+            # A flip may rest on a slow spell in a probe's few ticks; the other mode's
+            # figure then stays wrong until it runs again: re-probe early, as after warm-up.
+            b.early_probe, b.kept = True, 0
         return flip
 
     def _bucket(self, batch_size: int) -> _Bucket:
