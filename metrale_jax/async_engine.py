@@ -126,8 +126,10 @@ class AsyncLLM:
     # ---- lifecycle --------------------------------------------------------------------------
 
     def warmup(self) -> int:
-        """Compile every step shape (before `start`; blocking)."""
-        return self.engine.runner.warmup()
+        """Compile every plain step shape (before `start`; blocking); the speculative ones
+        compile beside serving, and the MTP gate keeps to the plain step until they are
+        ready (runner/background_warmup.py)."""
+        return self.engine.runner.warmup(speculative_later=True)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="metrale-engine", daemon=True)

@@ -207,6 +207,7 @@ class LLMEngine:
         return self.core.levers
 
     def close(self) -> None:
+        self.runner.close()
         for tier in self._tiers:  # caches of this process only: their files go too
             if tier is not None:
                 tier.clear()

@@ -144,6 +144,11 @@ class Runner(Protocol):
     def spec_depth(self) -> int:
         """k: drafts per sequence a speculative step verifies and makes (0: cannot)."""
 
+    @property
+    def speculation_ready(self) -> bool:
+        """Whether the speculative step runs without compiling (False while its variants
+        compile beside serving)."""
+
     def dispatch(self, rows: Sequence[ScheduledRow], speculative: bool = False) -> StepHandle:
         """Start a step (the speculative one when asked); returns at once."""
 
@@ -170,6 +175,9 @@ class Runner(Protocol):
 
     def unload_adapter(self, slot: int) -> None:
         """Zero device slot `slot`: a row that names it would run the base model."""
+
+    def close(self) -> None:
+        """Stop what runs in the background (a compilation), when the engine closes."""
 
     def recover(self) -> bool:
         """After `dispatch` or `collect` raised: True when the device caches were lost

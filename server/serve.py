@@ -109,10 +109,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--no-pipeline", action="store_true")
     e.add_argument("--no-swap", action="store_true")
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--speculative-config", default="none",
+    e.add_argument("--speculative-config", default="auto",
                    help='speculative decoding, vLLM\'s JSON: {"method": "mtp", '
-                        '"num_speculative_tokens": 2, "gate": "auto"}; "auto": MTP with the '
-                        'gate on auto where the model has MTP modules; "none" (default): off')
+                        '"num_speculative_tokens": 2, "gate": "auto"}; "auto" (default): MTP '
+                        'with the gate on auto where the model has MTP modules (its variants '
+                        'compile beside serving); "none": off')
     e.add_argument("--ladders", choices=("sparse", "pow2"), default="sparse",
                    help="default bucket ladders: a few sizes (fast warm-up) or powers of two")
     for name in ("token", "seq", "prefill-seq", "query", "block"):

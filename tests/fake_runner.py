@@ -78,6 +78,11 @@ class FakeRunner:
         self.adapter_calls: list[tuple] = []             # ("load", slot, name) / ("unload", slot)
         self.counter = _Counter()
 
+    speculation_ready = True  # no speculative step to compile
+
+    def close(self) -> None:
+        pass  # nothing compiles in the background
+
     def load_adapter(self, slot: int, weights) -> None:
         assert 1 <= slot <= self.max_loras, slot
         self.adapters[slot] = weights

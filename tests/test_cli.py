@@ -43,3 +43,15 @@ def test_serve_takes_a_tensor_parallel_size():
     assert engine_kwargs(build_parser().parse_args(["serve"]))["parallel"].tp == 1
     args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])
     assert engine_kwargs(args)["parallel"].tp == 2
+
+
+def test_serve_speculates_where_the_model_can_unless_told_not_to():
+    """`metrale serve` defaults to MTP with the gate on auto (on a model without MTP
+    modules "auto" serves plain); "none" turns it off."""
+    from metrale_jax.cli import build_parser
+    from server.serve import speculative_arg
+
+    assert speculative_arg(build_parser().parse_args(["serve"])) == "auto"
+    for off in ("none", "off"):
+        args = build_parser().parse_args(["serve", "--speculative-config", off])
+        assert speculative_arg(args) is None

@@ -141,6 +141,34 @@ def test_builtin_model_with_mtp_compiles_nothing_after_warmup():
         llm.engine.close()
 
 
+def test_speculative_variants_compiled_beside_serving_compile_nothing_after():
+    """`metrale serve`'s warm-up: the plain variants before serving, the speculative ones
+    on a thread. Until they are ready every tick runs the plain step, though the policy
+    says "on"; after, speculation runs and nothing compiles. Greedy outputs are the same
+    either way."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "gate": "on"}
+    llm = LLM(None, warmup=False, **ENGINE, speculative_config=spec)
+    try:
+        runner = llm.runner
+        runner.warmup(progress=False, speculative_later=True)
+        prompts = [{"prompt_token_ids": [5 + i, 9, 13 + i, 4]} for i in range(3)]
+        greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        before = dict(llm.engine.stats()["counters"])
+        early = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        drafts = llm.engine.stats()["counters"].get("spec_decode_num_drafts", 0)
+        if not runner.speculation_ready:  # nothing drafted while the variants compiled
+            assert drafts == before.get("spec_decode_num_drafts", 0)
+        assert runner._later.wait(timeout=600) and runner._later.error is None
+        assert runner.speculation_ready
+        stats = _drive_without_compiling(llm, seed=5, n=130, penalties=False)
+        assert stats.get("spec_decode_num_drafts", 0) > 0, stats
+        with EventWatch(BACKEND_COMPILE) as watch:
+            late = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        assert watch.names == [] and late == early
+    finally:
+        llm.engine.close()
+
+
 def test_llama_compiles_nothing_after_warmup(llama):
     stats = _drive_without_compiling(llama, seed=2)
     assert stats.get("spills", 0) > 0 and stats.get("swap_ins", 0) > 0, stats

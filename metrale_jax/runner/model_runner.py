@@ -25,6 +25,7 @@ from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.model.packing import memory_budget, pack_linears
 from metrale_jax.parallel.placement import TensorParallel
 from metrale_jax.runner import hugepages
+from metrale_jax.runner.background_warmup import BackgroundCompile
 from metrale_jax.runner.buckets import BucketLadders, CompileCounter, StepShape
 from metrale_jax.runner.inputs import build_step_batch
 from metrale_jax.runner.lora_slots import allocate_lora_slots, slot_arrays, write_slot
@@ -35,7 +36,7 @@ from metrale_jax.runner.sampler import make_sampling_arrays
 from metrale_jax.runner.slot_tables import (SlotBook, SlotWrite, allocate_slot_tables,
                                             write_bias, write_history)
 from metrale_jax.runner.spec_rows import add_prompt_scores, spec_inputs, unpack_speculative
-from metrale_jax.runner.step import StepOptions, StepRunner
+from metrale_jax.runner.step import StepOptions, StepRunner, abstract
 from metrale_jax.runner.swap import block_bucket, gather_sequence, scatter_sequence, warm_buckets
 from metrale_jax.types import RowResult, ScheduledRow, StepHandle
 
@@ -82,6 +83,7 @@ class ModelRunner:
                        *([model.mtp] if self.spec_depth else [])]
             tied = model if model.cfg.tie_word_embeddings else None
             self.packed_bytes = pack_linears(*modules, budget=memory_budget(), tied_head=tied)
+        self._later: BackgroundCompile | None = None  # variants compiling beside serving
         self.step = StepRunner(model, counter, store=ProgramStore.from_setting(
             engine.program_cache),
             store_tag=f"{model.cfg!r} {ops!r} packed={self.packed_bytes}",
@@ -306,12 +308,16 @@ class ModelRunner:
         return results
 
     def warmup(self, shapes: Sequence[StepShape] | None = None, *, progress: bool = True,
-               ) -> int:
+               speculative_later: bool = False) -> int:
         """Compile the step for `shapes` (default: every bucket combination) with a batch of
         padding only, then every other program serving can run, showing progress; returns
-        how many step variants were compiled (with LoRA on, each shape twice)."""
+        how many step variants were compiled (with LoRA on, each shape twice).
+        `speculative_later`: the speculative variants compile on a thread of their own
+        after this returns (`speculation_ready` says when they are done)."""
         variants = (self._with_lora([(shape, False) for shape in shapes])
                     if shapes is not None else self.warmup_variants())
+        later = [v for v in variants if v[1]] if speculative_later else []
+        variants = [v for v in variants if not (later and v[1])]
         with WarmupProgress(len(variants) + 1, enabled=progress) as bar:
             for shape, speculative, lora in variants:
                 empty = build_step_batch([], shape, self.engine.block_size)
@@ -324,7 +330,38 @@ class ModelRunner:
                 bar.advance()
             self._warm_side_programs()
             bar.advance()
+        if later:
+            self._compile_later(later)
         return len(variants)
+
+    @property
+    def speculation_ready(self) -> bool:
+        """Whether the speculative step can run without compiling (always, unless its
+        variants still compile beside serving: `warmup(speculative_later=True)`)."""
+        return self._later is None or self._later.ready.is_set()
+
+    def _compile_later(self, variants: list[tuple[StepShape, bool, bool]]) -> None:
+        """Compile the speculative `variants` on a thread, from the caches' and tables'
+        shapes taken now (the tick loop replaces those arrays at every step)."""
+        shapes = abstract((self.caches, self.tables, self.lora_slots))
+
+        def job(shape: StepShape, lora: bool):
+            def compile_one() -> None:
+                caches, tables, slots = shapes
+                self.step.precompile(
+                    build_step_batch([], shape, self.engine.block_size),
+                    make_sampling_arrays([], shape.rows), caches, tables,
+                    self._options(True, lora), spec_inputs([], shape.rows, self.spec_depth),
+                    slots if lora else None)
+            return compile_one
+
+        self._later = BackgroundCompile([job(shape, lora) for shape, _, lora in variants],
+                                        "speculative step variants")
+
+    def close(self) -> None:
+        """Stop compiling in the background, if anything still does."""
+        if self._later is not None:
+            self._later.close()
 
     def _warm_side_programs(self) -> None:
         """The programs beside the step, run on padding so they change nothing: the slot

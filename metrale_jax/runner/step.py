@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import jax
@@ -134,6 +135,9 @@ class StepRunner:
         self._step = functools.partial(_forward, graphdef, treedef)
         self._sample = functools.partial(_sample_rows, vocab_size=model.cfg.vocab_size)
         self._jitted = self._jitted_sample = None
+        # One-program variants compiled ahead of their first call (`precompile`), by
+        # (layout, options): the speculative step's, off the tick loop while plain ones run.
+        self._compiled: dict[tuple, Callable] = {}
         if placement is None:
             self._jitted = jax.jit(self._step, static_argnames=("layout", "options"),
                                    donate_argnames=("caches", "tables"),
@@ -171,8 +175,9 @@ class StepRunner:
 
     def cache_size(self) -> int:
         """Compiled entries of the step's programs, as `jax.jit` counts its own."""
-        return sum(f._cache_size() for f in (self._jitted, self._jitted_sample)
-                   if f is not None)
+        return len(self._compiled) + sum(f._cache_size() for f in (self._jitted,
+                                                                    self._jitted_sample)
+                                         if f is not None)
 
     def __call__(self, batch: StepBatch, sampling: SamplingArrays, targets: jax.Array | None,
                  caches: DeviceCaches, tables: SlotTables, options: StepOptions,
@@ -187,22 +192,16 @@ class StepRunner:
         grammar token masks, k+1 per row in a speculative step (None: no row is
         constrained). `lora`: the adapter slots, with `options.lora` only (rows name theirs
         in `batch.adapter_slots`)."""
-        shape = StepShape(batch.num_tokens, batch.num_rows, batch.query_len,
-                          batch.block_tables.shape[1])
-        self.counter.record(("step", shape, options))
-        if targets is None:  # nothing to score; the same shape keeps the same variant
-            targets = np.full((batch.num_tokens,), -1, np.int32)
-        if (spec is not None) != (options.spec_depth > 0):
-            raise ValueError("spec inputs go with a speculative step (spec_depth > 0) only")
-        if (lora is not None) != options.lora:
-            raise ValueError("LoRA slots go with a LoRA step (options.lora) only")
-        if mask is None:  # one mask per position a row samples: k+1 in a speculative step
-            mask = self.masks.none(batch.num_rows, options.spec_depth + 1)
+        self.counter.record(("step", _shape_of(batch), options))
+        targets, mask = self._checked(batch, targets, spec, mask, lora, options)
         forward, sampler = ((self._jitted, self._jitted_sample) if self.placement is None
                             else self._sharded(caches))
         if options.spec_depth or not samples_apart(batch):
             buffers, layout = pack((batch, sampling, targets, spec))
             buffers, mask = self._transfer((buffers, mask))
+            compiled = self._compiled.get((layout, options))
+            if compiled is not None:
+                return compiled(self._leaves, buffers, caches, tables, mask, lora)
             return forward(self._leaves, buffers, caches, tables, mask, lora,
                            layout=layout, options=options)
         buffers, layout = pack((batch, targets))
@@ -219,10 +218,56 @@ class StepRunner:
         return StepOutput(sampled=sampled, ranks=ranks, hidden=out.hidden,
                           prompt=out.prompt), caches, tables
 
+    def precompile(self, batch: StepBatch, sampling: SamplingArrays, caches, tables,
+                   options: StepOptions, spec: SpecInputs | None = None, lora=None) -> None:
+        """Compile the one-program step (a speculative one, or a decode-only plain one) for
+        this batch's shape and `options` without running it; a later call of that variant
+        runs the compiled program. Safe beside running steps: `caches`, `tables` and `lora`
+        are read for their shapes only (pass `abstract(...)` of them from the tick loop's
+        thread; a donated array may be gone by the time another thread looks)."""
+        if self.placement is not None or not (options.spec_depth or not samples_apart(batch)):
+            raise ValueError("only a one-program step on one device is compiled ahead")
+        self.counter.record(("step", _shape_of(batch), options))
+        targets, mask = self._checked(batch, None, spec, None, lora, options)
+        buffers, layout = pack((batch, sampling, targets, spec))
+        buffers, mask = self._transfer((buffers, mask))
+        args = abstract((self._leaves, buffers, caches, tables, mask, lora))
+        self._compiled[(layout, options)] = self._jitted.lower(
+            *args, layout=layout, options=options).compile()
+
+    def _checked(self, batch: StepBatch, targets, spec, mask, lora, options: StepOptions):
+        """The step's targets and mask, defaulted, after checking that `spec` and `lora`
+        go with `options`."""
+        if targets is None:  # nothing to score; the same shape keeps the same variant
+            targets = np.full((batch.num_tokens,), -1, np.int32)
+        if (spec is not None) != (options.spec_depth > 0):
+            raise ValueError("spec inputs go with a speculative step (spec_depth > 0) only")
+        if (lora is not None) != options.lora:
+            raise ValueError("LoRA slots go with a LoRA step (options.lora) only")
+        if mask is None:  # one mask per position a row samples: k+1 in a speculative step
+            mask = self.masks.none(batch.num_rows, options.spec_depth + 1)
+        return targets, mask
+
     def _transfer(self, tree):
         if self.placement is None:
             return jax.device_put(tree)
         return self.placement.replicate(tree)  # a full copy on every device of the mesh
+
+
+def abstract(tree):
+    """Each array of `tree` as its shape, dtype and placement (structs stay as they are)."""
+    def struct(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None),
+                                    weak_type=bool(getattr(getattr(x, "aval", None),
+                                                           "weak_type", False)))
+    return jax.tree.map(struct, tree)
+
+
+def _shape_of(batch: StepBatch) -> StepShape:
+    return StepShape(batch.num_tokens, batch.num_rows, batch.query_len,
+                     batch.block_tables.shape[1])
 
 
 def samples_apart(batch: StepBatch) -> bool:

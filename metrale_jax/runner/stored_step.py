@@ -53,6 +53,16 @@ class StoredStep:
             return self._fallback(*args, layout=layout, options=options)
         return variant(*args)
 
+    def lower(self, *args, layout, options):
+        """The variant's lowering, for compiling it ahead of its first call (`args` may be
+        `jax.ShapeDtypeStruct`s: nothing runs)."""
+        variant = self._variants.get((layout, options), ...)
+        if variant is ...:
+            variant = self._variants[(layout, options)] = self._build(args, layout, options)
+        if variant is None:
+            return self._fallback.lower(*args, layout=layout, options=options)
+        return variant.lower(*args)
+
     def _cache_size(self) -> int:
         """Compiled entries, counted as `jax.jit` counts its own (tests watch this)."""
         return self._fallback._cache_size() + sum(
@@ -135,4 +145,4 @@ def _donated_positions(args: tuple, donated: tuple[int, ...]) -> tuple[int, ...]
 
 
 def _weak(x) -> bool:
-    return bool(getattr(getattr(x, "aval", None), "weak_type", False))
+    return bool(getattr(getattr(x, "aval", x), "weak_type", False))  # an array or its struct
