@@ -256,12 +256,28 @@ def test_a_standing_mode_that_falls_behind_calls_a_probe_which_decides():
     # Warm-up: two plain samples, a switch tick and two speculative ones, then the choice.
     assert drive(gate, clock, 1, 5, plain_tps=100, spec_tps=150) == [False] * 2 + [True] * 3
     assert gate.figures(1)["speculating"]
-    # Speculation collapses: it stands its `doubt_after` samples, then a probe runs plain
-    # (a switch tick, 2 samples) and speculation afresh (as many), and plain wins.
-    chosen = drive(gate, clock, 1, 12, plain_tps=100, spec_tps=10)
-    assert chosen[:3] == [True] * 3 and chosen[3:6] == [False] * 3
-    assert chosen[6:9] == [True] * 3 and not any(chosen[9:])
+    # Speculation collapses: it stands its `doubt_after` samples and trails for
+    # `probe_ticks` in a row, then a probe runs plain (a switch tick, 2 samples) and
+    # speculation afresh (as many), and plain wins.
+    chosen = drive(gate, clock, 1, 14, plain_tps=100, spec_tps=10)
+    assert chosen[:4] == [True] * 4 and chosen[4:7] == [False] * 3
+    assert chosen[7:10] == [True] * 3 and not any(chosen[10:])
     assert not gate.figures(1)["speculating"]
+
+
+def test_a_stalled_tick_now_and_then_does_not_call_a_probe():
+    """A tick that stalls now and then (a shared machine), delivering nothing, moves the
+    standing mode's EMA past the margin for a sample: no probe. A lag that lasts does."""
+    clock = FakeClock()
+    gate = MtpGate(GateConfig(warmup_ticks=3, probe_ticks=4, doubt_after=4,
+                              reprobe_every_s=1e9, first_reprobe_ticks=0), clock=clock)
+    drive(gate, clock, 4, 20, plain_tps=100, spec_tps=75)
+    chosen = []
+    for tick in range(200):
+        chosen += drive(gate, clock, 4, 1, plain_tps=0 if tick % 25 == 0 else 100,
+                        spec_tps=75)
+    assert not any(chosen)
+    assert any(drive(gate, clock, 4, 20, plain_tps=60, spec_tps=75))
 
 
 def test_a_drifting_machine_does_not_flip_on_a_stale_figure():
@@ -314,6 +330,7 @@ def test_acceptance_per_depth_is_an_ema_of_accepted_over_drafted():
                                         (dict(warmup_ticks=0), "warmup_ticks"),
                                         (dict(first_reprobe_ticks=-1), "first_reprobe_ticks"),
                                         (dict(doubt_after=0), "doubt_after"),
+                                        (dict(ramp_ticks=-1), "ramp_ticks"),
                                         (dict(turn_on_ratio=0.9), "hysteresis"),
                                         (dict(reprobe_every_s=0), "reprobe_every_s"),
                                         (dict(max_reprobe_factor=0), "max_reprobe_factor")])

@@ -175,7 +175,8 @@ def _step(args) -> int:
 def _mtp(args) -> int:
     from metrale_jax.bench.mtp import mtp_benchmark
 
-    result = mtp_benchmark(args.model, args.batches, args.output_len, args.rounds, args.depth)
+    result = mtp_benchmark(args.model, args.batches, args.output_len, args.rounds, args.depth,
+                           args.min_round_s)
     return _finish(args, {"benchmark": "MTP speculative decoding: delivered tok/s off / on / "
                                        "gated", "model": args.model or "built-in default",
                           **result})
@@ -330,6 +331,8 @@ def add_parser(sub) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--depth", type=int, default=2, help="num_speculative_tokens")
+    p.add_argument("--min-round-s", type=float, default=1.0,
+                   help="a round repeats the workload until it has run this long")
     _output_arg(p)
     p.set_defaults(func=_mtp)
 

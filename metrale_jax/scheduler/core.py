@@ -94,6 +94,7 @@ class SchedulerCore:
         self._ahead = False                    # ...its decodes packed before the one ahead
         self._decoding = 0                     # decoding sequences this tick (the gate's
                                                # batch; 0: the tick is not its sample)
+        self._since_prefill = 0                # decode ticks since one with prefill chunks
         self._last_read_at = 0.0               # when the last step was read back
 
     # ---- the loop and the tick ------------------------------------------------------------
@@ -280,13 +281,16 @@ class SchedulerCore:
             return False  # its variants still compile beside serving: never wait for one
         decoding = sum(s.status is Status.RUNNING for s in self.active)
         if self.prefilling or plan.admitted or not decoding:
+            self._since_prefill = 0
             # Prefill chunks: the speculative step writes the prompts' MTP K/V, which every
             # later draft attends over (a plain step leaves those pages stale, and the
             # drafts, so a seeded sampled run's rejection path, would depend on what ran
             # in them before); it pays where the batch's decodes are expected to draft.
             return self.gate.choose_unmeasured(
                 len(self.active) + len(self.prefilling) + len(plan.admitted))
-        self._decoding = decoding
+        self._since_prefill += 1
+        if self._since_prefill > self.gate.config.ramp_ticks:
+            self._decoding = decoding  # a sample: no new request's first ticks in it
         return self.gate.choose(decoding)
 
     def _runs_ahead(self) -> bool:

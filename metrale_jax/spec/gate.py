@@ -91,12 +91,18 @@ class GateConfig:
                                    # samples, whatever the clock says (0: not early)
     doubt_after: int = 16          # samples of the standing mode after a probe or a flip
                                    # before its falling behind calls a probe
+    ramp_ticks: int = 6            # decode ticks after one with prefill chunks that are no
+                                   # samples: new requests' first ticks run 1.5-4x slower
+                                   # in either mode (batch 4, built-in model), and a probe
+                                   # that met them misjudged its mode
 
     def __post_init__(self) -> None:
         if self.policy not in GATE_POLICIES:
             raise GateError(f"policy: must be one of {GATE_POLICIES}, got {self.policy!r}")
         if not 0.0 < self.ema_alpha <= 1.0:
             raise GateError(f"ema_alpha: must be in (0, 1], got {self.ema_alpha}")
+        if self.ramp_ticks < 0:
+            raise GateError(f"ramp_ticks: must be at least 0, got {self.ramp_ticks}")
         if self.first_reprobe_ticks < 0:
             raise GateError(f"first_reprobe_ticks: must be at least 0, got "
                             f"{self.first_reprobe_ticks}")
@@ -155,7 +161,8 @@ class _Bucket:
     kept: int = 0                  # samples of the standing choice since warm-up
     early_probe: bool = True       # the first choice's early re-probe is still to come
     judged: bool = False           # the choice after warm-up is made
-    doubt: bool = False            # the standing mode fell behind: probe at the next tick
+    behind: int = 0                # samples in a row the standing mode has trailed
+    doubt: bool = False            # ...enough of them: probe at the next tick
 
     def warm(self, need: int) -> bool:
         return min(self.samples.values()) >= need
@@ -302,12 +309,16 @@ class MtpGate:
         if not b.judged:  # warm-up is over: its bursts ran side by side, both figures fresh
             b.judged = True
             self._decide(b)
-        elif b.standing >= self.config.doubt_after and self._behind(b):
+        elif b.standing >= self.config.doubt_after:
             # The standing mode's figure is live, the other's as old as its last run: on a
             # machine whose speed drifts by a third within minutes, flipping on that
             # comparison kept speculation on for minutes at batch 4 (0.84x plain); a probe
-            # measures both afresh, side by side, and decides.
-            b.doubt = True
+            # measures both afresh, side by side, and decides. Only a lag that lasts
+            # `probe_ticks` samples calls one: a single tick 3x slow (a shared machine has
+            # them) moves the EMA by a third, and at batch 4 such probes ran every ~20 ticks.
+            b.behind = b.behind + 1 if self._behind(b) else 0
+            if b.behind >= self.config.probe_ticks:
+                b.doubt, b.behind = True, 0
 
     def _behind(self, b: _Bucket) -> bool:
         """Whether the standing mode trails the other past the hysteresis margin."""
