@@ -2,7 +2,7 @@
 
 `metrale serve` on the built-in model with speculative decoding warms ~23 plain and ~23
 speculative variants; the speculative ones (verification, drafting, the MTP modules) take
-most of a cold start (136 s against ~50 s for the plain ones alone on 2 cores). Only the
+most of a cold start (136 s, where the plain ones alone take 46-73 s on 2 cores). Only the
 plain step is needed to serve, so the server answers once the plain variants are ready and
 the speculative ones compile here: the gate chooses the plain step until `ready` is set, so
 no tick ever waits for a compilation. XLA compiles outside Python's lock; tracing takes it
