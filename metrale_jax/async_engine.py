@@ -126,10 +126,11 @@ class AsyncLLM:
     # ---- lifecycle --------------------------------------------------------------------------
 
     def warmup(self) -> int:
-        """Compile every plain step shape (before `start`; blocking); the speculative ones
-        compile beside serving, and the MTP gate keeps to the plain step until they are
-        ready (runner/background_warmup.py)."""
-        return self.engine.runner.warmup(speculative_later=True)
+        """Compile the few step shapes that cover every batch (before `start`; blocking);
+        the other shapes, then the speculative ones, compile beside serving: a batch runs
+        padded in a covering shape until its own is ready, and the MTP gate keeps to the
+        plain step until every variant is (runner/background_warmup.py)."""
+        return self.engine.runner.warmup(speculative_later=True, serve_early=True)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="metrale-engine", daemon=True)

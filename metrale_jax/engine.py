@@ -360,7 +360,8 @@ class LLMEngine:
         """Telemetry safe to read from any thread: counters, phase timings, compiles."""
         tel = self.core.tel
         return {"counters": tel.counters(), "phases": tel.phases(),
-                "compiled_variants": self.runner.counter.count}
+                "compiled_variants": self.runner.counter.count,
+                "compiling_variants": self.runner.compiling}
 
 
 def lora_config(enable_lora: bool, max_loras: int | None, max_lora_rank: int | None,

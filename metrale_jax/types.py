@@ -149,6 +149,10 @@ class Runner(Protocol):
         """Whether the speculative step runs without compiling (False while its variants
         compile beside serving)."""
 
+    @property
+    def compiling(self) -> int:
+        """Step variants still compiling beside serving (0: all are ready)."""
+
     def dispatch(self, rows: Sequence[ScheduledRow], speculative: bool = False) -> StepHandle:
         """Start a step (the speculative one when asked); returns at once."""
 

@@ -36,6 +36,7 @@ def _snapshot_body(llm) -> dict:
         "now": now,
         "counters": stats["counters"],
         "compiled_variants": stats["compiled_variants"],
+        "compiling_variants": stats["compiling_variants"],
     }
 
 

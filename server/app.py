@@ -89,6 +89,8 @@ async def health(request: web.Request) -> web.Response:
     if state.llm.error is not None:
         state.engine_died()
     body = {"status": state.status}
+    if state.status == "ok":  # step variants still compiling beside serving
+        body["compiling_variants"] = state.llm.stats()["compiling_variants"]
     if state.status == "unhealthy":
         body["error"] = repr(state.llm.error)
     return web.json_response(body, status=200 if state.status == "ok" else 503)

@@ -306,8 +306,9 @@ def _endpoint_schemas(limits: P.Limits) -> dict:
     now = _obj({k: _int(0) for k in ("kv_blocks_free", "kv_blocks_cached", "kv_blocks_used",
                                      "kv_blocks_usable", "requests_in_engine")})
     one_engine = {"snapshot": _null(snapshot), "now": _null(now),
-                  "counters": {"type": "object"}, "compiled_variants": _int(0)}
-    required = ("snapshot", "now", "counters", "compiled_variants")
+                  "counters": {"type": "object"}, "compiled_variants": _int(0),
+                  "compiling_variants": _int(0)}
+    required = ("snapshot", "now", "counters", "compiled_variants", "compiling_variants")
     levers = _dataclass_schema(LeverValues)
     for name, spec in levers["properties"].items():  # the checks of Levers._validated
         if spec["type"] == "integer":
@@ -326,7 +327,9 @@ def _endpoint_schemas(limits: P.Limits) -> dict:
                                   ("tokens",)),
         "DetokenizeResponse": _obj({"prompt": STR}, ("prompt",)),
         "Health": _obj({"status": {"enum": ["ok", "starting", "draining", "unhealthy"]},
-                        "error": STR}, ("status",)),
+                        "error": STR, "compiling_variants": _int(0)}, ("status",),
+                       description="compiling_variants: step shapes still compiling beside "
+                                   "serving (batches run padded in covering shapes meanwhile)"),
         "ModelList": _obj({"object": {"const": "list"}, "data": _arr(model)},
                           ("object", "data")),
         "AdminSnapshot": _obj({**one_engine, "engines": _arr(_obj(one_engine, required)),

@@ -1,8 +1,10 @@
 """`metrale serve`: the OpenAI-compatible server as a process.
 
 1. Load the model and build the engine (before the port opens).
-2. Bind; `/health` answers "starting" (503) and the API 503 while the step buckets compile.
-3. Warm-up done: start the engine thread, `/health` says "ok", log the ready line.
+2. Bind; `/health` answers "starting" (503) and the API 503 while the few step shapes that
+   cover every batch compile.
+3. Warm-up done: start the engine thread, `/health` says "ok", log the ready line; the
+   other shapes compile beside serving (`compiling_variants` in `/health` counts them).
 4. SIGTERM/SIGINT: stop accepting (503 "draining"), finish what is in flight, shut the
    engine down, exit 0.
 
@@ -274,9 +276,11 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> int:
     llm.start()
     state.status = "ok"
     engines = f", {llm.data_parallel_size} engines" if llm.data_parallel_size > 1 else ""
+    stats = llm.stats()
     logger.info("metrale is ready: serving %s as %s on %s (warm-up %.1f s, %d compiled "
-                "variants%s%s)", llm.limits.model_name, list(state.limits.model_names), url,
-                time.monotonic() - t0, llm.stats()["compiled_variants"], engines,
+                "variants, %d more compiling beside serving%s%s)", llm.limits.model_name,
+                list(state.limits.model_names), url, time.monotonic() - t0,
+                stats["compiled_variants"], stats["compiling_variants"], engines,
                 ", API key required" if api_key else "")
     await stop.wait()
     state.status = "draining" if state.status == "ok" else state.status

@@ -79,6 +79,7 @@ class FakeRunner:
         self.counter = _Counter()
 
     speculation_ready = True  # no speculative step to compile
+    compiling = 0  # nothing compiles beside serving
 
     def close(self) -> None:
         pass  # nothing compiles in the background

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 
 import pytest
 
 from metrale_jax import LLM, SamplingParams, StructuredOutputsParams
+from metrale_jax.runner.buckets import StepShape, serve_first
 from tests.hf_models import save_tiny_llama
 from tests.jax_events import BACKEND_COMPILE, EventWatch
 
@@ -142,15 +144,15 @@ def test_builtin_model_with_mtp_compiles_nothing_after_warmup():
 
 
 def test_speculative_variants_compiled_beside_serving_compile_nothing_after():
-    """`metrale serve`'s warm-up: the plain variants before serving, the speculative ones
-    on a thread. Until they are ready every tick runs the plain step, though the policy
-    says "on"; after, speculation runs and nothing compiles. Greedy outputs are the same
-    either way."""
+    """`metrale serve`'s warm-up: the covering plain shapes before serving, the other
+    plain ones and the speculative ones on a thread. Until they are ready every tick runs
+    the plain step, though the policy says "on"; after, speculation runs and nothing
+    compiles. Greedy outputs are the same either way."""
     spec = {"method": "mtp", "num_speculative_tokens": 2, "gate": "on"}
     llm = LLM(None, warmup=False, **ENGINE, speculative_config=spec)
     try:
         runner = llm.runner
-        runner.warmup(progress=False, speculative_later=True)
+        runner.warmup(progress=False, speculative_later=True, serve_early=True)
         prompts = [{"prompt_token_ids": [5 + i, 9, 13 + i, 4]} for i in range(3)]
         greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         before = dict(llm.engine.stats()["counters"])
@@ -165,6 +167,64 @@ def test_speculative_variants_compiled_beside_serving_compile_nothing_after():
         with EventWatch(BACKEND_COMPILE) as watch:
             late = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         assert watch.names == [] and late == early
+    finally:
+        llm.engine.close()
+
+
+class _ShapeLog:
+    """The runner's step, noting the shape of every batch it runs."""
+
+    def __init__(self, step):
+        self._step, self.seen = step, set()
+
+    def __getattr__(self, name):
+        return getattr(self._step, name)
+
+    def __call__(self, batch, *args, **kwargs):
+        self.seen.add(StepShape(batch.num_tokens, batch.num_rows, batch.query_len,
+                                batch.block_tables.shape[1]))
+        return self._step(batch, *args, **kwargs)
+
+
+def test_serving_early_runs_every_batch_padded_in_a_compiled_shape(tmp_path):
+    """`metrale serve`'s plain warm-up: only `serve_first`'s shapes compile before serving.
+    While the others wait to compile (held here), a mix of every feature runs padded in
+    those shapes and compiles nothing; once they are compiled beside it, batches run in
+    their own shapes, nothing compiles, and greedy and seeded outputs are what they were."""
+    save_tiny_llama(tmp_path)
+    llm = LLM(str(tmp_path), warmup=False, **{**ENGINE, "seq_buckets": (1, 2, 4)})
+    try:
+        runner = llm.runner
+        log = runner.step = _ShapeLog(runner.step)
+        hold = threading.Event()
+        runner.warmup(progress=False, serve_early=True, hold=hold)
+        plain = [shape for shape, _, _ in runner.warmup_variants()]
+        first = set(serve_first(plain))
+        assert runner.compiling == len(plain) - len(first) > 0
+        rng = random.Random(7)
+        prompts = [{"prompt_token_ids": [rng.randrange(3, 60) for _ in range(n)]}
+                   for n in (1, 3, 9, 20, 40)]
+        params = [SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+                  SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=9,
+                                 ignore_eos=True, n=2)]
+
+        def run() -> list:
+            return [[c.token_ids for c in o.outputs]
+                    for p in params for o in llm.generate(prompts, p)]
+
+        early = run()
+        _drive_without_compiling(llm, seed=8, n=130)
+        assert log.seen and log.seen <= first  # padded: only what was compiled ran
+        assert runner.compiling == len(plain) - len(first)
+        hold.set()
+        assert runner._later.wait(timeout=600) and runner._later.error is None
+        assert runner.compiling == 0
+        log.seen.clear()
+        with EventWatch(BACKEND_COMPILE) as watch:
+            late = run()
+        assert watch.names == [] and late == early
+        _drive_without_compiling(llm, seed=9, n=130)
+        assert log.seen - first  # batches now run in their own shapes
     finally:
         llm.engine.close()
 

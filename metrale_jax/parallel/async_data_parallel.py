@@ -356,4 +356,5 @@ def merge_stats(parts: list[dict]) -> dict:
             total.total_s += p.total_s
             total.last_s = max(total.last_s, p.last_s)
     return {"counters": counters, "phases": phases,
-            "compiled_variants": sum(p["compiled_variants"] for p in parts)}
+            "compiled_variants": sum(p["compiled_variants"] for p in parts),
+            "compiling_variants": sum(p["compiling_variants"] for p in parts)}

@@ -25,6 +25,28 @@ class StepShape:
     query_len: int   # Q: widest chunk of any row (1 for a pure decode step)
     max_blocks: int  # MB: block-table width
 
+    def covers(self, other: "StepShape") -> bool:
+        """Whether a batch laid out for `other` also fits this shape: every dimension at
+        least as large (a decode batch fits a prefill shape too: its rows are chunks of one
+        token). Padding changes no row's result, only the step's cost."""
+        return (self.tokens >= other.tokens and self.rows >= other.rows
+                and self.query_len >= other.query_len and self.max_blocks >= other.max_blocks)
+
+
+def serve_first(shapes: list[StepShape]) -> list[StepShape]:
+    """The shapes to compile before serving when the others compile beside it: the
+    largest decode shape and the largest shapes with prefill chunks (together they cover
+    every shape, so any batch can run, padded), and the one-row decode shape, so a lone
+    request decodes at full speed from the start."""
+    def maximal(kind: list[StepShape]) -> list[StepShape]:
+        return [s for s in kind if not any(o != s and o.covers(s) for o in kind)]
+
+    decode = [s for s in shapes if s.query_len == 1]
+    prefill = [s for s in shapes if s.query_len > 1]
+    lone = min(decode, key=lambda s: (s.rows, -s.max_blocks), default=None)
+    first = maximal(decode) + maximal(prefill) + [lone]
+    return sorted({s for s in first if s is not None}, key=shapes.index)
+
 
 def _powers_of_two(limit: int, start: int = 1) -> tuple[int, ...]:
     ladder, b = [], start

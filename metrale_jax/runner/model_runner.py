@@ -6,12 +6,14 @@ of one sequence plus its sampling settings) and gets numpy `RowResult`s per row:
 in `metrale_jax.types`. Every program it can run has a fixed set of shapes, all compiled by
 `warmup` and counted by the `CompileCounter`: the step per bucket, the slot-table writes, the
 snapshot copy, the swap buckets and, with LoRA on, the adapter-slot write and the LoRA variant
-of every step. Nothing compiles while serving.
+of every step. Nothing compiles on the tick loop: `metrale serve` compiles some of them on a
+thread beside serving (runner/background_warmup.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -25,8 +27,8 @@ from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.model.packing import memory_budget, pack_linears
 from metrale_jax.parallel.placement import TensorParallel
 from metrale_jax.runner import hugepages
-from metrale_jax.runner.background_warmup import BackgroundCompile
-from metrale_jax.runner.buckets import BucketLadders, CompileCounter, StepShape
+from metrale_jax.runner.background_warmup import BackgroundCompile, ReadyShapes
+from metrale_jax.runner.buckets import BucketLadders, CompileCounter, StepShape, serve_first
 from metrale_jax.runner.inputs import build_step_batch
 from metrale_jax.runner.lora_slots import allocate_lora_slots, slot_arrays, write_slot
 from metrale_jax.runner.program_store import ProgramStore
@@ -84,6 +86,7 @@ class ModelRunner:
             tied = model if model.cfg.tie_word_embeddings else None
             self.packed_bytes = pack_linears(*modules, budget=memory_budget(), tied_head=tied)
         self._later: BackgroundCompile | None = None  # variants compiling beside serving
+        self._ready: ReadyShapes | None = None  # what is compiled, while they do
         self.step = StepRunner(model, counter, store=ProgramStore.from_setting(
             engine.program_cache),
             store_tag=f"{model.cfg!r} {ops!r} packed={self.packed_bytes}",
@@ -228,6 +231,11 @@ class ModelRunner:
             raise ValueError("a speculative step needs speculative decoding configured")
         shape = self.shape_for(rows, speculative)
         lora = self._uses_lora(rows)
+        if self._ready is not None:  # shapes still compile beside serving
+            if self._later.ready.is_set():
+                self._ready = None
+            else:
+                shape = self._ready.fit(shape, speculative, lora)
         batch = build_step_batch(rows, shape, self.engine.block_size)
         for write in self.book.plan(rows):
             self._write_slot(write)
@@ -308,16 +316,27 @@ class ModelRunner:
         return results
 
     def warmup(self, shapes: Sequence[StepShape] | None = None, *, progress: bool = True,
-               speculative_later: bool = False) -> int:
+               speculative_later: bool = False, serve_early: bool = False,
+               hold: threading.Event | None = None) -> int:
         """Compile the step for `shapes` (default: every bucket combination) with a batch of
         padding only, then every other program serving can run, showing progress; returns
         how many step variants were compiled (with LoRA on, each shape twice).
         `speculative_later`: the speculative variants compile on a thread of their own
-        after this returns (`speculation_ready` says when they are done)."""
+        after this returns (`speculation_ready` says when they are done).
+        `serve_early`: of the plain shapes only `serve_first`'s compile now, the others on
+        that thread (before the speculative ones); until a batch's own shape is ready, it
+        runs padded in a ready shape that covers it. `hold`: that thread starts once it is
+        set (tests). On a mesh (tensor parallel) everything compiles now: its steps are
+        not compiled ahead."""
         variants = (self._with_lora([(shape, False) for shape in shapes])
                     if shapes is not None else self.warmup_variants())
-        later = [v for v in variants if v[1]] if speculative_later else []
-        variants = [v for v in variants if not (later and v[1])]
+        if self.placement is not None:
+            speculative_later = serve_early = False
+        first = set(serve_first([v[0] for v in variants if not v[1]])) if serve_early else set()
+        later = [v for v in variants
+                 if (v[1] and (speculative_later or serve_early))
+                 or (serve_early and not v[1] and v[0] not in first)]
+        variants = [v for v in variants if v not in later]
         with WarmupProgress(len(variants) + 1, enabled=progress) as bar:
             for shape, speculative, lora in variants:
                 empty = build_step_batch([], shape, self.engine.block_size)
@@ -331,7 +350,8 @@ class ModelRunner:
             self._warm_side_programs()
             bar.advance()
         if later:
-            self._compile_later(later)
+            self._ready = ReadyShapes(variants) if serve_early else None
+            self._compile_later(later, hold)
         return len(variants)
 
     @property
@@ -340,23 +360,34 @@ class ModelRunner:
         variants still compile beside serving: `warmup(speculative_later=True)`)."""
         return self._later is None or self._later.ready.is_set()
 
-    def _compile_later(self, variants: list[tuple[StepShape, bool, bool]]) -> None:
-        """Compile the speculative `variants` on a thread, from the caches' and tables'
-        shapes taken now (the tick loop replaces those arrays at every step)."""
-        shapes = abstract((self.caches, self.tables, self.lora_slots))
+    @property
+    def compiling(self) -> int:
+        """Step variants still to compile beside serving (0: every one is ready)."""
+        return self._later.left if self._later is not None else 0
 
-        def job(shape: StepShape, lora: bool):
+    def _compile_later(self, variants: list[tuple[StepShape, bool, bool]],
+                       hold: threading.Event | None) -> None:
+        """Compile `variants` on a thread, from the caches' and tables' shapes taken now
+        (the tick loop replaces those arrays at every step)."""
+        shapes = abstract((self.caches, self.tables, self.lora_slots))
+        ready = self._ready
+
+        def job(shape: StepShape, speculative: bool, lora: bool):
             def compile_one() -> None:
                 caches, tables, slots = shapes
                 self.step.precompile(
                     build_step_batch([], shape, self.engine.block_size),
                     make_sampling_arrays([], shape.rows), caches, tables,
-                    self._options(True, lora), spec_inputs([], shape.rows, self.spec_depth),
+                    self._options(speculative, lora),
+                    spec_inputs([], shape.rows, self.spec_depth) if speculative else None,
                     slots if lora else None)
+                if ready is not None:
+                    ready.add((shape, speculative, lora))
             return compile_one
 
-        self._later = BackgroundCompile([job(shape, lora) for shape, _, lora in variants],
-                                        "speculative step variants")
+        what = ("step variants" if any(not v[1] for v in variants)
+                else "speculative step variants")
+        self._later = BackgroundCompile([job(*v) for v in variants], what, hold=hold)
 
     def close(self) -> None:
         """Stop compiling in the background, if anything still does."""

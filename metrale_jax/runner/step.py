@@ -135,9 +135,10 @@ class StepRunner:
         self._step = functools.partial(_forward, graphdef, treedef)
         self._sample = functools.partial(_sample_rows, vocab_size=model.cfg.vocab_size)
         self._jitted = self._jitted_sample = None
-        # One-program variants compiled ahead of their first call (`precompile`), by
-        # (layout, options): the speculative step's, off the tick loop while plain ones run.
+        # Variants compiled ahead of their first call (`precompile`) on a thread beside
+        # serving: the step's programs by (layout, options), the sampler's by its own.
         self._compiled: dict[tuple, Callable] = {}
+        self._compiled_sample: dict[tuple, Callable] = {}
         if placement is None:
             self._jitted = jax.jit(self._step, static_argnames=("layout", "options"),
                                    donate_argnames=("caches", "tables"),
@@ -209,31 +210,55 @@ class StepRunner:
         # One transfer: the packed inputs and, for a constrained batch, its host masks (the
         # device constant of an unconstrained one is not copied again).
         buffers, rows, mask = self._transfer((buffers, rows, mask))
-        out, caches, tables = forward(self._leaves, buffers, caches, tables, mask, lora,
-                                      layout=layout, options=options)
+        compiled = self._compiled.get((layout, options))
+        if compiled is not None:
+            out, caches, tables = compiled(self._leaves, buffers, caches, tables, mask, lora)
+        else:
+            out, caches, tables = forward(self._leaves, buffers, caches, tables, mask, lora,
+                                          layout=layout, options=options)
         sample_options = _sampler_options(options)
         self.counter.record(("sample", batch.num_rows, sample_options))
-        (sampled, ranks), tables = sampler(out.logits, rows, tables, layout=row_layout,
-                                           options=sample_options)
+        compiled = self._compiled_sample.get((row_layout, sample_options))
+        if compiled is not None:
+            (sampled, ranks), tables = compiled(out.logits, rows, tables)
+        else:
+            (sampled, ranks), tables = sampler(out.logits, rows, tables, layout=row_layout,
+                                               options=sample_options)
         return StepOutput(sampled=sampled, ranks=ranks, hidden=out.hidden,
                           prompt=out.prompt), caches, tables
 
     def precompile(self, batch: StepBatch, sampling: SamplingArrays, caches, tables,
                    options: StepOptions, spec: SpecInputs | None = None, lora=None) -> None:
-        """Compile the one-program step (a speculative one, or a decode-only plain one) for
-        this batch's shape and `options` without running it; a later call of that variant
-        runs the compiled program. Safe beside running steps: `caches`, `tables` and `lora`
-        are read for their shapes only (pass `abstract(...)` of them from the tick loop's
-        thread; a donated array may be gone by the time another thread looks)."""
-        if self.placement is not None or not (options.spec_depth or not samples_apart(batch)):
-            raise ValueError("only a one-program step on one device is compiled ahead")
+        """Compile the step for this batch's shape and `options` without running it (with
+        prefill chunks: its forward and, unless compiled already, its rows' sampler); a
+        later call of that variant runs the compiled programs. Safe beside running steps:
+        `caches`, `tables` and `lora` are read for their shapes only (pass `abstract(...)`
+        of them from the tick loop's thread; a donated array may be gone by the time
+        another thread looks)."""
+        if self.placement is not None:
+            raise ValueError("only a step on one device is compiled ahead")
         self.counter.record(("step", _shape_of(batch), options))
         targets, mask = self._checked(batch, None, spec, None, lora, options)
-        buffers, layout = pack((batch, sampling, targets, spec))
-        buffers, mask = self._transfer((buffers, mask))
-        args = abstract((self._leaves, buffers, caches, tables, mask, lora))
-        self._compiled[(layout, options)] = self._jitted.lower(
-            *args, layout=layout, options=options).compile()
+        if options.spec_depth or not samples_apart(batch):
+            buffers, layout = pack((batch, sampling, targets, spec))
+            buffers, mask = self._transfer((buffers, mask))
+            args = abstract((self._leaves, buffers, caches, tables, mask, lora))
+            self._compiled[(layout, options)] = self._jitted.lower(
+                *args, layout=layout, options=options).compile()
+            return
+        buffers, layout = pack((batch, targets))
+        rows, row_layout = pack((sampling, batch.ssm_slots))
+        buffers, rows, mask = self._transfer((buffers, rows, mask))
+        lowered = self._jitted.lower(*abstract((self._leaves, buffers, caches, tables, mask,
+                                                lora)), layout=layout, options=options)
+        sample_options = _sampler_options(options)
+        if self.counter.record(("sample", batch.num_rows, sample_options)):
+            self._compiled_sample[(row_layout, sample_options)] = self._jitted_sample.lower(
+                lowered.out_info[0].logits, *abstract((rows, tables)), layout=row_layout,
+                options=sample_options).compile()
+        # Stored last: the tick loop may use the forward once it is here, and its sampler
+        # must be compiled by then.
+        self._compiled[(layout, options)] = lowered.compile()
 
     def _checked(self, batch: StepBatch, targets, spec, mask, lora, options: StepOptions):
         """The step's targets and mask, defaulted, after checking that `spec` and `lora`
