@@ -130,6 +130,12 @@ class Sequence:
             chunk = chunk + [-self.slot]
         return chunk
 
+    @property
+    def seeded_sampling(self) -> bool:
+        """Sampled (temperature > 0) from the request's own seed: its text is to be the
+        same on every run."""
+        return self.params.seed is not None and self.params.temperature > 0
+
     def may_sample_more(self) -> bool:
         """Count-based limits, known without reading back in-flight tokens."""
         p = self.params

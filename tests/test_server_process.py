@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
 import time
 
 import aiohttp
@@ -16,7 +17,7 @@ import pytest
 
 from metrale_jax.engine import LLM
 from metrale_jax.request import SamplingParams
-from tests.server_process import MODEL, start_server, stop_server
+from tests.server_process import MODEL, health, start_server, stop_server
 
 KEY = "process-test-key"
 ENGINE_ARGS = ["--max-seq-len", "128", "--max-batch-size", "16", "--max-tokens-per-tick", "64",
@@ -49,6 +50,22 @@ def client(server):
 def test_ready_after_starting_and_logged(server):
     assert "ok" in server["seen"]
     assert "metrale is ready" in server["log"].read_text()
+
+
+def test_health_counts_the_variants_compiling_beside_serving_down_to_zero(server):
+    # The server answered once the covering shapes were compiled; the rest compile beside
+    # serving, and /health counts them down (bounded poll of the child process).
+    counts, deadline = [], time.monotonic() + 300
+    while time.monotonic() < deadline:
+        status, body = health(server["base"])
+        assert status == 200
+        counts.append(body["compiling_variants"])
+        if counts[-1] == 0:
+            break
+        with pytest.raises(subprocess.TimeoutExpired):
+            server["proc"].wait(timeout=0.2)  # the poll interval; raises while it runs
+    assert counts[-1] == 0 and counts == sorted(counts, reverse=True)
+    assert "more compiling beside serving" in server["log"].read_text()
 
 
 def test_completions_greedy_equal_offline_and_stream(client, offline):

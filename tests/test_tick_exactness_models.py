@@ -293,6 +293,31 @@ def test_sampled_requests_run_under_speculation(default_engines):
     assert_accounted(engine.core)
 
 
+def test_a_seeded_request_emits_the_same_whatever_the_gate_chooses(default_engines,
+                                                                   monkeypatch):
+    """The gate on auto speculates as the load says, and the speculative step samples from
+    streams of its own: a seeded sampled request then runs plain, so its text is the one
+    MTP off gives, on every run. Shown against a gate that always wants speculation (it
+    speculates for a greedy request beside) and against policy "on" (a different text)."""
+    engine = default_engines["roomy"]
+    prompt = [SHARED[1], 77, 5]
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=24,
+                            ignore_eos=True, n=2)
+    off = [s.output_ids for s in _generate(engine, prompt, seeded, "off")]
+    on = [s.output_ids for s in _generate(engine, prompt, seeded, "on")]
+    assert on != off  # the speculative step's own streams
+    gate = engine.core.gate  # on auto from here, and it always wants to speculate
+    monkeypatch.setattr(gate, "choose", lambda batch: True)
+    monkeypatch.setattr(gate, "choose_unmeasured", lambda batch: True)
+    drafts = engine.core.tel.counters().get("spec_decode_num_drafts", 0)
+    assert [s.output_ids for s in _generate(engine, prompt, seeded, "auto")] == off
+    assert engine.core.tel.counters().get("spec_decode_num_drafts", 0) == drafts
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    _generate(engine, prompt, greedy, "auto")
+    assert engine.core.tel.counters().get("spec_decode_num_drafts", 0) > drafts
+    engine.levers.set(mtp_policy="on")
+
+
 def _run_batch(engine: LLMEngine, prompts, params, pipeline: bool):
     engine.levers.set(mtp_policy="on", pipeline_enabled=pipeline, prefix_cache_enabled=True)
     reqs = [engine.make_request({"prompt_token_ids": p}, q) for p, q in zip(prompts, params)]

@@ -279,6 +279,13 @@ class SchedulerCore:
             self.gate.set_policy(self.levers_now.mtp_policy)
         if not self.runner.speculation_ready:
             return False  # its variants still compile beside serving: never wait for one
+        if self.gate.config.policy == "auto" and any(
+                s.seeded_sampling
+                for s in itertools.chain(self.active, self.prefilling, plan.admitted)):
+            # The gate's choice follows the load, and the speculative step samples from
+            # random streams of its own (rejection sampling): a seeded request's text
+            # would then depend on what else ran. Its ticks run plain, and are no samples.
+            return False
         decoding = sum(s.status is Status.RUNNING for s in self.active)
         if self.prefilling or plan.admitted or not decoding:
             self._since_prefill = 0
