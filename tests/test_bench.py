@@ -231,6 +231,7 @@ def test_bench_serve_smoke(tmp_path, live_server):
     assert res["goodput_requests_per_s"] == pytest.approx(res["requests_per_s"])
     assert res["ttft"]["p99_ms"] >= res["ttft"]["median_ms"] > 0
     assert res["itl"]["mean_ms"] is not None and res["tpot"]["mean_ms"] is not None
+    assert res["server_compiling_variants_at_start"] == 0  # a warmed engine, as /health says
 
 
 def test_bench_serve_chat_endpoint_smoke(tmp_path, live_server):

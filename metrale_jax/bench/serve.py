@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import ipaddress
 import json
+import logging
 import math
 import time
 import urllib.parse
@@ -28,6 +29,8 @@ import numpy as np
 
 from metrale_jax.bench.datasets import BenchRequest
 from metrale_jax.bench.metrics import SLO, RequestRecord, serving_summary
+
+logger = logging.getLogger(__name__)
 
 LOOPBACK_NAMES = ("localhost",)
 
@@ -175,6 +178,20 @@ async def served_model(session, spec: LoadSpec, headers: dict) -> str:
     return data["data"][0]["id"]
 
 
+async def compiling_variants(session, spec: LoadSpec, headers: dict) -> int:
+    """What `metrale serve`'s /health says still compiles beside serving (0 for a server
+    that does not say): load sent meanwhile meets padded shapes and a busy compiler."""
+    import aiohttp
+
+    try:
+        async with session.get(spec.base_url.rstrip("/") + "/health",
+                               headers=headers) as resp:
+            body = await resp.json(content_type=None)
+        return int(body.get("compiling_variants", 0))
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError, AttributeError):
+        return 0  # not JSON, or no such field: a server that does not say
+
+
 async def run_load(spec: LoadSpec, requests: list[BenchRequest], *, slo: SLO = SLO(),
                    tokenizer=None, progress: bool = True,
                    sleep: Callable[[float], Awaitable] = asyncio.sleep,
@@ -195,6 +212,11 @@ async def run_load(spec: LoadSpec, requests: list[BenchRequest], *, slo: SLO = S
     connector = aiohttp.TCPConnector(limit=spec.max_concurrency or 0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = await served_model(session, spec, headers)
+        compiling = await compiling_variants(session, spec, headers)
+        if compiling:
+            logger.warning("the server still compiles %d step variants beside serving: "
+                           "figures measured now fall short of its steady state (wait "
+                           "until its /health says compiling_variants 0)", compiling)
         start = clock()
 
         async def one(i: int) -> None:
@@ -223,6 +245,7 @@ async def run_load(spec: LoadSpec, requests: list[BenchRequest], *, slo: SLO = S
     sent = records[:len(tasks)]
     summary = serving_summary(sent, duration, slo)
     summary["not_sent"] = len(requests) - len(tasks)
+    summary["server_compiling_variants_at_start"] = compiling
     summary["spec"] = {"base_url": spec.base_url, "endpoint": spec.endpoint, "model": model,
                        "request_rate": spec.request_rate if math.isfinite(spec.request_rate)
                        else "inf",
