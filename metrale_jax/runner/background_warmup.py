@@ -2,11 +2,11 @@
 
 Compiling every step variant of the built-in model takes ~60 s on 2 cores (2-4 s each,
 almost all of it XLA's backend, which already uses both cores), and the speculative ones
-(verification, drafting, the MTP modules) as long again. `metrale serve` compiles only a
-few plain shapes before it answers (`buckets.serve_first`: the largest decode and prefill
-shapes, which cover every batch, and the one-row decode) and the rest here, plain ones
-first: until a batch's own shape is ready it runs padded in the smallest ready shape that
-covers it (`ReadyShapes`): slower, the same tokens. The MTP gate keeps to the plain step
+(verification, drafting, the MTP modules) as long again. `metrale serve` compiles only
+some plain shapes before it answers (`buckets.serve_first`: every decode shape, and the
+largest prefill shapes, which cover the others) and the rest here, plain ones first: until
+a batch's own shape is ready it runs padded in the smallest ready shape that covers it
+(`ReadyShapes`): slower, the same tokens. The MTP gate keeps to the plain step
 until every variant is ready (`ready`), so no tick ever waits for a compilation. XLA
 compiles outside Python's lock; tracing takes it in slices, which slows the tick loop a
 little while this runs and stalls it never.
