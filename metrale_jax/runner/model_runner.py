@@ -332,10 +332,10 @@ class ModelRunner:
                     if shapes is not None else self.warmup_variants())
         if self.placement is not None:
             speculative_later = serve_early = False
+        speculative_later = speculative_later or serve_early
         first = set(serve_first([v[0] for v in variants if not v[1]])) if serve_early else set()
         later = [v for v in variants
-                 if (v[1] and (speculative_later or serve_early))
-                 or (serve_early and not v[1] and v[0] not in first)]
+                 if (v[1] and speculative_later) or (serve_early and v[0] not in first)]
         variants = [v for v in variants if v not in later]
         with WarmupProgress(len(variants) + 1, enabled=progress) as bar:
             for shape, speculative, lora in variants:

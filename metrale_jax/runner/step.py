@@ -197,33 +197,16 @@ class StepRunner:
         targets, mask = self._checked(batch, targets, spec, mask, lora, options)
         forward, sampler = ((self._jitted, self._jitted_sample) if self.placement is None
                             else self._sharded(caches))
-        if options.spec_depth or not samples_apart(batch):
-            buffers, layout = pack((batch, sampling, targets, spec))
-            buffers, mask = self._transfer((buffers, mask))
-            compiled = self._compiled.get((layout, options))
-            if compiled is not None:
-                return compiled(self._leaves, buffers, caches, tables, mask, lora)
-            return forward(self._leaves, buffers, caches, tables, mask, lora,
-                           layout=layout, options=options)
-        buffers, layout = pack((batch, targets))
-        rows, row_layout = pack((sampling, batch.ssm_slots))
-        # One transfer: the packed inputs and, for a constrained batch, its host masks (the
-        # device constant of an unconstrained one is not copied again).
-        buffers, rows, mask = self._transfer((buffers, rows, mask))
-        compiled = self._compiled.get((layout, options))
-        if compiled is not None:
-            out, caches, tables = compiled(self._leaves, buffers, caches, tables, mask, lora)
-        else:
-            out, caches, tables = forward(self._leaves, buffers, caches, tables, mask, lora,
-                                          layout=layout, options=options)
+        buffers, layout, rows, row_layout, mask = self._inputs(batch, sampling, targets, spec,
+                                                               mask, options)
+        args = (self._leaves, buffers, caches, tables, mask, lora)
+        if rows is None:  # one program: the step samples its rows itself
+            return _run(self._compiled, forward, args, layout, options)
+        out, caches, tables = _run(self._compiled, forward, args, layout, options)
         sample_options = _sampler_options(options)
         self.counter.record(("sample", batch.num_rows, sample_options))
-        compiled = self._compiled_sample.get((row_layout, sample_options))
-        if compiled is not None:
-            (sampled, ranks), tables = compiled(out.logits, rows, tables)
-        else:
-            (sampled, ranks), tables = sampler(out.logits, rows, tables, layout=row_layout,
-                                               options=sample_options)
+        (sampled, ranks), tables = _run(self._compiled_sample, sampler,
+                                        (out.logits, rows, tables), row_layout, sample_options)
         return StepOutput(sampled=sampled, ranks=ranks, hidden=out.hidden,
                           prompt=out.prompt), caches, tables
 
@@ -239,26 +222,34 @@ class StepRunner:
             raise ValueError("only a step on one device is compiled ahead")
         self.counter.record(("step", _shape_of(batch), options))
         targets, mask = self._checked(batch, None, spec, None, lora, options)
-        if options.spec_depth or not samples_apart(batch):
-            buffers, layout = pack((batch, sampling, targets, spec))
-            buffers, mask = self._transfer((buffers, mask))
-            args = abstract((self._leaves, buffers, caches, tables, mask, lora))
-            self._compiled[(layout, options)] = self._jitted.lower(
-                *args, layout=layout, options=options).compile()
-            return
-        buffers, layout = pack((batch, targets))
-        rows, row_layout = pack((sampling, batch.ssm_slots))
-        buffers, rows, mask = self._transfer((buffers, rows, mask))
+        buffers, layout, rows, row_layout, mask = self._inputs(batch, sampling, targets, spec,
+                                                               mask, options)
         lowered = self._jitted.lower(*abstract((self._leaves, buffers, caches, tables, mask,
                                                 lora)), layout=layout, options=options)
         sample_options = _sampler_options(options)
-        if self.counter.record(("sample", batch.num_rows, sample_options)):
+        if rows is not None and self.counter.record(("sample", batch.num_rows, sample_options)):
             self._compiled_sample[(row_layout, sample_options)] = self._jitted_sample.lower(
                 lowered.out_info[0].logits, *abstract((rows, tables)), layout=row_layout,
                 options=sample_options).compile()
         # Stored last: the tick loop may use the forward once it is here, and its sampler
         # must be compiled by then.
         self._compiled[(layout, options)] = lowered.compile()
+
+    def _inputs(self, batch: StepBatch, sampling: SamplingArrays, targets, spec, mask,
+                options: StepOptions):
+        """The step's packed inputs on the device: (buffers, layout, rows, row_layout,
+        mask), with `rows` None for a one-program step; a plain step with prefill chunks
+        samples its rows in a program of their own, from `rows`."""
+        if options.spec_depth or not samples_apart(batch):
+            buffers, layout = pack((batch, sampling, targets, spec))
+            buffers, mask = self._transfer((buffers, mask))
+            return buffers, layout, None, None, mask
+        buffers, layout = pack((batch, targets))
+        rows, row_layout = pack((sampling, batch.ssm_slots))
+        # One transfer: the packed inputs and, for a constrained batch, its host masks (the
+        # device constant of an unconstrained one is not copied again).
+        buffers, rows, mask = self._transfer((buffers, rows, mask))
+        return buffers, layout, rows, row_layout, mask
 
     def _checked(self, batch: StepBatch, targets, spec, mask, lora, options: StepOptions):
         """The step's targets and mask, defaulted, after checking that `spec` and `lora`
@@ -277,6 +268,15 @@ class StepRunner:
         if self.placement is None:
             return jax.device_put(tree)
         return self.placement.replicate(tree)  # a full copy on every device of the mesh
+
+
+def _run(compiled: dict, jitted, args: tuple, layout, options):
+    """The variant compiled ahead for (layout, options) if there is one, else the jitted
+    program (which compiles it on first use)."""
+    program = compiled.get((layout, options))
+    if program is not None:
+        return program(*args)
+    return jitted(*args, layout=layout, options=options)
 
 
 def abstract(tree):

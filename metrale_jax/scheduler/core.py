@@ -34,6 +34,7 @@ from metrale_jax.scheduler.parking import Parking
 from metrale_jax.scheduler.policy import AdmissionPolicy
 from metrale_jax.scheduler.sessions import CloseSession, SessionConfig, Sessions
 from metrale_jax.scheduler.settle import must_settle
+from metrale_jax.scheduler.speculation import SpeculationChoice
 from metrale_jax.scheduler.state import OutputSink, Pending, TickPlan
 from metrale_jax.sequence import Sequence, Status
 from metrale_jax.spec.gate import MtpGate
@@ -54,6 +55,7 @@ class SchedulerCore:
         self.runner, self.levers, self.policy = runner, levers, policy
         # Speculative decoding: the gate picks the plain or the speculative step per tick.
         self.gate = gate
+        self.mode = SpeculationChoice(gate) if gate is not None else None
         self.spec_depth = runner.spec_depth if gate is not None else 0
         self.clock, self.sink = clock, sink
         self.max_seq_len, self.block_size = max_seq_len, block_size
@@ -92,10 +94,6 @@ class SchedulerCore:
         self._order = itertools.count()
         self._speculating = False              # this tick runs the speculative step
         self._ahead = False                    # ...its decodes packed before the one ahead
-        self._decoding = 0                     # decoding sequences this tick (the gate's
-                                               # batch; 0: the tick is not its sample)
-        self._since_prefill = 0                # decode ticks since one with prefill chunks
-        self._last_read_at = 0.0               # when the last step was read back
 
     # ---- the loop and the tick ------------------------------------------------------------
 
@@ -272,33 +270,10 @@ class SchedulerCore:
 
     def _choose_speculation(self, plan: TickPlan) -> bool:
         """Phase 8's mode (the seed's gate): speculate this tick?"""
-        self._decoding = 0  # the gate's batch: 0 unless this tick is one of its samples
-        if self.gate is None:
+        if self.mode is None:
             return False
-        if self.gate.config.policy != self.levers_now.mtp_policy:
-            self.gate.set_policy(self.levers_now.mtp_policy)
-        if not self.runner.speculation_ready:
-            return False  # its variants still compile beside serving: never wait for one
-        if self.gate.config.policy == "auto" and any(
-                s.seeded_sampling
-                for s in itertools.chain(self.active, self.prefilling, plan.admitted)):
-            # The gate's choice follows the load, and the speculative step samples from
-            # random streams of its own (rejection sampling): a seeded request's text
-            # would then depend on what else ran. Its ticks run plain, and are no samples.
-            return False
-        decoding = sum(s.status is Status.RUNNING for s in self.active)
-        if self.prefilling or plan.admitted or not decoding:
-            self._since_prefill = 0
-            # Prefill chunks: the speculative step writes the prompts' MTP K/V, which every
-            # later draft attends over (a plain step leaves those pages stale, and the
-            # drafts, so a seeded sampled run's rejection path, would depend on what ran
-            # in them before); it pays where the batch's decodes are expected to draft.
-            return self.gate.choose_unmeasured(
-                len(self.active) + len(self.prefilling) + len(plan.admitted))
-        self._since_prefill += 1
-        if self._since_prefill > self.gate.config.ramp_ticks:
-            self._decoding = decoding  # a sample: no new request's first ticks in it
-        return self.gate.choose(decoding)
+        return self.mode.choose(self.levers_now.mtp_policy, self.runner.speculation_ready,
+                                self.active, self.prefilling, plan.admitted)
 
     def _runs_ahead(self) -> bool:
         """Whether this speculative tick's decodes are packed before the speculative step
@@ -344,7 +319,8 @@ class SchedulerCore:
         except Exception as exc:  # noqa: BLE001 - contained: fails this step's requests
             self._step_failed(exc, packed, "dispatch")
             return None
-        handle.dispatched_at, handle.decoding = t, self._decoding
+        handle.dispatched_at = t
+        handle.decoding = self.mode.sample_batch if self.mode is not None else 0
         for seq in mark_dispatched(packed, self.memory):
             self.prefilling.remove(seq)
             self.active.append(seq)
@@ -383,12 +359,8 @@ class SchedulerCore:
         self.tel.mark(Phase.PROCESS, t)
 
     def _measure(self, handle: StepHandle, committed: Committed) -> None:
-        """Feed the gate delivered tokens/s (the wall clock since this step was dispatched
-        or the last read-back, whichever came later: idle time is not the step's), and
-        count drafts for /metrics."""
+        """Feed the gate delivered tokens/s, and count drafts for /metrics."""
         now = self.clock.now()
-        since = max(self._last_read_at, handle.dispatched_at)
-        self._last_read_at = now
         if handle.speculative:
             self.tel.count("spec_decode_num_drafts", sum(1 for p in handle.rows
                                                          if p.num_drafts))
@@ -397,9 +369,9 @@ class SchedulerCore:
             for d, (n, m) in enumerate(zip(committed.accepted, committed.drafted)):
                 self.tel.count(f"spec_decode_num_accepted_tokens_per_pos_{d}", n)
                 self.tel.count(f"spec_decode_num_drafts_per_pos_{d}", m)
-        if self.gate is not None:
-            self.gate.record(handle.decoding, handle.speculative, committed.tokens, now - since,
-                             committed.accepted, committed.drafted)
+        if self.mode is not None:
+            self.mode.record(handle, committed.tokens, committed.accepted, committed.drafted,
+                             now)
 
     # ---- requests in and out --------------------------------------------------------------
 
