@@ -194,7 +194,7 @@ class Sequence:
             seed=self.seed, counter=self.num_sampled,
             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, prompt_ids=self.prompt_ids,
-            output_ids=self.output_ids, logit_bias=bias)
+            output_ids=self.output_ids, logit_bias=bias, logprobs=self.logprobs is not None)
 
     def append(self, token: int, logprob: float, top: PositionLogprobs | None) -> None:
         """Commit one sampled token and apply the stop rules."""

@@ -78,17 +78,27 @@ class KernelOps:
             return layer(x)
         return _finish(layer, y)
 
-    def linear_group(self, layers, x, packed):
+    def linear_group(self, layers, x, packed, norm=None):
         """`layer(x)` for each of `layers` (nnx.Linear over the same input). `packed`: one
         packed copy of their kernels side by side (model/packing.py `PACK_GROUPS`), or
         None; where a decode step's rows would read packed copies, the group is one call
         that streams all of them (one hand-off to the kernel's threads, not one per
-        layer), split by columns afterwards."""
+        layer), split by columns afterwards. `norm`: an RMSNorm (`scale`, `eps`) to apply
+        to `x` first, the block's pre-norm; that call then does it too (a decode step's
+        block runs a custom call where XLA ran four small fusions)."""
         kernel = layers[0].kernel[...]
+        fold = (norm is not None and self.reads_packed(x, packed, kernel)
+                and norm.scale[...].dtype == x.dtype)
+        if norm is not None and not fold:
+            x = norm(x)
         if not self.reads_packed(x, packed, kernel):
             return tuple(self.linear(layer, x) for layer in layers)
         widths = [layer.kernel.shape[1] for layer in layers]
-        y = cpu_packed.packed_matmul(x, packed[...], sum(widths))
+        if fold:
+            y = cpu_packed.packed_norm_matmul(x, norm.scale[...], norm.eps, packed[...],
+                                              sum(widths))
+        else:
+            y = cpu_packed.packed_matmul(x, packed[...], sum(widths))
         starts = [sum(widths[:i]) for i in range(len(widths))]
         return tuple(_finish(layer, y[:, a:a + n])
                      for layer, a, n in zip(layers, starts, widths))

@@ -1,7 +1,7 @@
 """The packed matmul custom call (XLA:CPU) against an f64 numpy product: `x @ w` with `w`
 packed in column blocks, f32 and bf16, for 1-4 rows and more (a pass per 4 rows), with
-column tails (N not a multiple of 32), an odd count of k pairs, calls split across the crew.
-Then the model side: `pack_linears` gives packed copies to the layers that qualify, the
+column tails (N not a multiple of 32), an odd count of k pairs, calls split across the crew;
+with a block's RMSNorm folded in, against the norm then the product. Then the model side: `pack_linears` gives packed copies to the layers that qualify, the
 routing sends a few rows in the layer's dtype through them and anything else to the old
 paths, and a step of a model with packed layers equals one without."""
 
@@ -17,6 +17,7 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.model import allocate_caches
+from metrale_jax.model.layers import RMSNorm
 from metrale_jax.model.packing import PackedKernel, pack_linears
 from metrale_jax.runner.buckets import StepShape
 from metrale_jax.runner.inputs import RowChunk, build_step_batch
@@ -63,6 +64,47 @@ def test_packed_matmul_equals_the_product(dtype, m, k, n):
     got = np.asarray(jax.jit(pm.packed_matmul, static_argnums=2)(x, pm.pack(w), n))
     assert got.shape == (m, n) and got.dtype == np.float32
     np.testing.assert_allclose(got, _exact(x, w), rtol=1e-5, atol=1e-4 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("m, k, n", [(1, 512, 1536), (3, 130, 300), (9, 64, 40)])
+def test_the_norm_folded_in_is_the_norm_then_the_product(dtype, m, k, n):
+    rng = np.random.default_rng(m + k + n)
+    x = jnp.asarray(rng.standard_normal((m, k)) * 4, dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, dtype)
+    norm = RMSNorm(k, 1e-5, dtype)
+    norm.scale[...] = jnp.asarray(rng.standard_normal(k) + 1, dtype)
+    got = jax.jit(lambda x, s, p: pm.packed_norm_matmul(x, s, norm.eps, p, n))(
+        x, norm.scale[...], pm.pack(w))
+    want = _exact(norm(x), w)  # the model's own norm (XLA), then an f64 product
+    assert got.shape == (m, n) and got.dtype == np.float32
+    # bf16: the normed rows are rounded alike but for a rare last-bit tie; f32: to ~1 ulp.
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    np.testing.assert_allclose(np.asarray(got), want, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="scale"):
+        pm.packed_norm_matmul(x, norm.scale[...].astype(jnp.float16), 1e-5, pm.pack(w), n)
+
+
+def test_a_decode_step_folds_each_pre_norm_into_its_first_projection():
+    model = random_model(PACKED_LLAMA)
+    model.use_ops(CPU)
+    pack_linears(model.blocks, model.lm_head)
+    graphdef, state = nnx.split(model)
+    caches = allocate_caches(model.cfg, num_blocks=20, block_size=4, num_slots=2)
+
+    def program(rows, shape):
+        batch = jax.tree.map(jnp.asarray, build_step_batch(rows, shape, 4))
+        return jax.jit(lambda st, b, c: nnx.merge(graphdef, st)(b, c)).lower(
+            state, batch, caches).as_text()
+
+    decode = program([RowChunk([5], 3, [1], 1)], StepShape(1, 1, 1, 4))
+    # Four blocks (attention, MLP, attention, MLP): each one's norm runs in its q/k/v or
+    # gate/up call; prefill rows (more than the packed matmul takes) keep XLA's norm.
+    assert decode.count("metrale_packed_norm_matmul") == 4
+    many = pm.MAX_ROWS + 1
+    prefill = program([RowChunk(list(range(1, many + 1)), 0, list(range(1, 18)), 1)],
+                      StepShape(many, 1, many, 17))
+    assert "metrale_packed_norm_matmul" not in prefill
 
 
 def test_odd_k_in_f32():

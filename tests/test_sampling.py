@@ -310,3 +310,32 @@ def test_builder_rejects_overflow():
         host_tables([RowSampling(logit_bias={1: 1.0, 2: 1.0})], 2, 1)
     with pytest.raises(ValueError):
         make_sampling_arrays([RowSampling()] * 3, 2)
+
+
+def test_first_argmax_is_argmax_with_ties_and_masked_columns():
+    from metrale_jax.runner.sampler import first_argmax
+
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 3, size=(64, 40)).astype(np.float32)  # many tied maxima
+    x[5] = -np.inf  # a row with every column masked: argmax says 0
+    x[6, :20] = -np.inf
+    got = np.asarray(jax.jit(first_argmax)(x))
+    np.testing.assert_array_equal(got, x.argmax(-1))
+
+
+def test_rows_without_logprobs_skip_the_top_and_keep_their_token_logprob(sample_fn):
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(3, 50)).astype(np.float32) * 3
+    ref = _np_log_softmax(logits)
+    chosen = ref[np.arange(3), logits.argmax(-1)]
+    off = make_sampling_arrays([RowSampling(logprobs=False)] * 3, 3)
+    out = sample_fn(logits, off, num_top=NUM_TOP, apply_filters=False)
+    np.testing.assert_array_equal(np.asarray(out.top_ids), 0)  # skipped: nobody reads it
+    np.testing.assert_allclose(np.asarray(out.logprobs), chosen, atol=1e-5)
+    # One row asking is enough for every row's top (the host reads it for that row).
+    mixed = make_sampling_arrays([RowSampling(logprobs=False), RowSampling(logprobs=True),
+                                  RowSampling(logprobs=False)], 3)
+    out = sample_fn(logits, mixed, num_top=NUM_TOP, apply_filters=False)
+    np.testing.assert_array_equal(np.asarray(out.top_ids),
+                                  np.argsort(-ref, axis=-1, kind="stable")[:, :NUM_TOP])
+    np.testing.assert_allclose(np.asarray(out.logprobs), chosen, atol=1e-5)

@@ -33,12 +33,17 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, cfg.norm_eps)
 
     def __call__(self, x: Float[Array, "T D"], batch: StepBatch, kv: KVPages,
-                 lora: BlockLora | None = None) -> tuple[Float[Array, "T D"], KVPages]:
+                 lora: BlockLora | None = None, norm: RMSNorm | None = None,
+                 ) -> tuple[Float[Array, "T D"], KVPages]:
+        """`norm`: the block's pre-norm, applied to `x` first (folded into the q/k/v
+        projection's custom call on the CPU's decode rows)."""
         cfg = self.cfg
         t = x.shape[0]
+        if norm is not None and lora is not None:  # the adapters read the normed rows
+            x, norm = norm(x), None
         deltas = group_deltas(lora, "qkv", x, ("q_proj", "k_proj", "v_proj"))
         q, k, v = project_group((self.q_proj, self.k_proj, self.v_proj), x, deltas, self.ops,
-                                getattr(self, "qkv_packed", None))
+                                getattr(self, "qkv_packed", None), norm)
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)

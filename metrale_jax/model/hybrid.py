@@ -44,19 +44,20 @@ def run_blocks(blocks: nnx.List, x: Float[Array, "T D"], batch: StepBatch,
     (see `Mamba2Mixer`). `lora`: the tokens' adapters, by backbone block index."""
     ai, mi = kv_offset, ssm_offset
     for i, block in enumerate(blocks):
-        h = block.norm(x)
         adapters = lora.block(i) if lora is not None else None
+        # Attention and the MLP take the pre-norm along (their first projection may run it).
         if block.kind == "A":
-            h, kv[ai] = block.mixer(h, batch, kv[ai], adapters)
+            h, kv[ai] = block.mixer(x, batch, kv[ai], adapters, norm=block.norm)
             ai += 1
         elif block.kind == "M":
-            h, (conv[mi], ssm[mi]), candidates = block.mixer(h, batch, (conv[mi], ssm[mi]),
-                                                             window, adapters)
+            h, (conv[mi], ssm[mi]), candidates = block.mixer(block.norm(x), batch,
+                                                             (conv[mi], ssm[mi]), window,
+                                                             adapters)
             if keep is not None:
                 keep.append(candidates)
             mi += 1
         else:
-            h = block.mixer(h, adapters)
+            h = block.mixer(x, adapters, norm=block.norm)
         x = x + h
     return x, ai, mi
 

@@ -83,14 +83,18 @@ class MLP(nnx.Module):
         self.down_proj = linear(cfg, f, d, rngs)
 
     def __call__(self, x: Float[Array, "T D"], lora: BlockLora | None = None,
-                 ) -> Float[Array, "T D"]:
+                 norm: RMSNorm | None = None) -> Float[Array, "T D"]:
+        """`norm`: the block's pre-norm, applied to `x` first (folded into the gate/up
+        projection's custom call on the CPU's decode rows)."""
         # The activation in float32, rounded once: XLA:CPU runs a bf16 silu * mul at twice
         # the f32 form's time (it rounds after each op), and this is the more exact product.
         f32 = jnp.float32
+        if norm is not None and (lora is not None or self.kind != "gated_silu"):
+            x, norm = norm(x), None  # adapters read the normed rows; one layer: no group
         if self.kind == "gated_silu":
             deltas = group_deltas(lora, "gate_up", x, ("gate_proj", "up_proj"))
             gate, up = project_group((self.gate_proj, self.up_proj), x, deltas, self.ops,
-                                     getattr(self, "gate_up_packed", None))
+                                     getattr(self, "gate_up_packed", None), norm)
             h = jax.nn.silu(gate.astype(f32)) * up.astype(f32)
         else:
             (d_up,) = group_deltas(lora, "gate_up", x, ("up_proj",))

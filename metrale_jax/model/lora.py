@@ -107,10 +107,11 @@ def project(linear: nnx.Linear, x: Float[Array, "T I"], delta: Float[Array, "T O
 
 
 def project_group(linears: tuple[nnx.Linear, ...], x: Float[Array, "T I"],
-                  deltas: tuple[Float[Array, "T _"] | None, ...], ops, packed,
+                  deltas: tuple[Float[Array, "T _"] | None, ...], ops, packed, norm=None,
                   ) -> tuple[Float[Array, "T _"], ...]:
     """`project` for layers over one input; `packed`: their kernels' packed copy side by
-    side (model/packing.py), or None (`KernelOps.linear_group`)."""
-    ys = [y.astype(layer.dtype) for y, layer in zip(ops.linear_group(linears, x, packed),
+    side (model/packing.py), or None (`KernelOps.linear_group`). `norm`: the block's
+    pre-norm, applied to `x` first (inside the projection's call where the kernels can)."""
+    ys = [y.astype(layer.dtype) for y, layer in zip(ops.linear_group(linears, x, packed, norm),
                                                      linears)]
     return tuple(y if d is None else y + d.astype(y.dtype) for y, d in zip(ys, deltas))

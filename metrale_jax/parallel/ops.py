@@ -40,7 +40,8 @@ class ShardedOps:
         """Projections stay plain dots under tensor parallelism: XLA partitions them."""
         return layer(x)
 
-    def linear_group(self, layers, x, packed):
+    def linear_group(self, layers, x, packed, norm=None):
+        x = x if norm is None else norm(x)
         return tuple(layer(x) for layer in layers)
 
     @staticmethod

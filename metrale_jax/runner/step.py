@@ -369,7 +369,8 @@ def _sample_rows(logits: Float[Array, "S V"], rows, tables: SlotTables, *,
     sampling, slots = rows if layout is None else unpack(rows, layout)
     sampled = sample(logits, sampling, tables.sampling, num_top=options.num_top,
                      apply_filters=True, vocab_size=vocab_size)
-    ranks = token_ranks(logits, sampled.tokens)
+    ranks = jax.lax.cond(jnp.any(sampling.logprobs_on), token_ranks,
+                         lambda x, t: jnp.zeros_like(t), logits, sampled.tokens)
     tables = dataclasses.replace(tables, future=tables.future.at[slots].set(sampled.tokens))
     return (sampled, ranks), tables
 

@@ -43,6 +43,8 @@ TARGETS = {"metrale_paged_attention": "MetralePagedAttention",
            "metrale_small_matmul_bf16": "MetraleSmallMatmulBf16",
            "metrale_packed_matmul_f32": "MetralePackedMatmulF32",
            "metrale_packed_matmul_bf16": "MetralePackedMatmulBf16",
+           "metrale_packed_norm_matmul_f32": "MetralePackedNormMatmulF32",
+           "metrale_packed_norm_matmul_bf16": "MetralePackedNormMatmulBf16",
            "metrale_amx_matmul_f32": "MetraleAmxMatmulF32",
            "metrale_amx_matmul_bf16": "MetraleAmxMatmulBf16"}
 

@@ -15,9 +15,11 @@
 // the kernel beats XLA's dot up to ~100 rows here. The bf16 pairs of k sit side by side,
 // the operand order of AVX512-BF16's dot product (vdpbf16ps: 32 products an instruction).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -172,7 +174,61 @@ ffi::Error Matmul(ffi::Buffer<T> x, ffi::Buffer<T> packed, ffi::ResultBuffer<ffi
   return ffi::Error::Success();
 }
 
+// Each row RMS-normalised and scaled, in float32 as model/layers.py's RMSNorm does it
+// (x * rsqrt(mean(x^2) + eps), then scale * that), rounded to the weights' dtype: the
+// rows a decode step's first projection of a block reads.
+template <typename X>
+void NormRows(const X* x, const X* scale, int64_t M, int64_t K, float eps, X* out) {
+  for (int64_t r = 0; r < M; ++r) {
+    const X* row = x + r * K;
+    float squares = 0.f;
+    for (int64_t k = 0; k < K; ++k) squares += ToFloat(row[k]) * ToFloat(row[k]);
+    const float inv = 1.f / std::sqrt(squares / static_cast<float>(K) + eps);
+    for (int64_t k = 0; k < K; ++k)
+      out[r * K + k] = metrale::FromFloat<X>(ToFloat(scale[k]) * (ToFloat(row[k]) * inv));
+  }
+}
+
+// y = RMSNorm(x) @ w: the norm before a block's first projection folded into its call (one
+// custom call where XLA ran four small fusions and a hand-off).
+template <ffi::DataType T>
+ffi::Error NormMatmul(ffi::Buffer<T> x, ffi::Buffer<T> scale, ffi::Buffer<T> packed, float eps,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  using Elem = std::conditional_t<T == ffi::F32, float, Bf16>;
+  constexpr int64_t kPair = T == ffi::F32 ? 1 : 2;
+  const auto xd = x.dimensions(), sd = scale.dimensions(), pd = packed.dimensions();
+  if (xd.size() != 2 || sd.size() != 1 || sd[0] != xd[1] || pd.size() != 3 ||
+      pd[1] * kPair != xd[1] || pd[2] != kBlock * kPair)
+    return ffi::Error::InvalidArgument(
+        "packed norm matmul: x [M, K], scale [K] and packed [N / 32, K, 32] (bf16: "
+        "[N / 32, K / 2, 64]) expected");
+  thread_local std::vector<Elem> normed;
+  normed.resize(xd[0] * xd[1]);
+  NormRows(reinterpret_cast<const Elem*>(x.untyped_data()),
+           reinterpret_cast<const Elem*>(scale.untyped_data()), xd[0], xd[1], eps,
+           normed.data());
+  PackedMatmul(normed.data(), xd[0], xd[1], reinterpret_cast<const Elem*>(packed.untyped_data()),
+               pd[0], y->typed_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MetralePackedNormMatmulF32, NormMatmul<ffi::F32>,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MetralePackedNormMatmulBf16, NormMatmul<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<float>("eps")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MetralePackedMatmulF32, Matmul<ffi::F32>,
                               ffi::Ffi::Bind()

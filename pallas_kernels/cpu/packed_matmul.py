@@ -21,6 +21,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from pallas_kernels.cpu import build
@@ -32,6 +33,8 @@ MAX_ROWS = 64
 MIN_WEIGHTS = 1 << 16
 _TARGETS = {jnp.dtype(jnp.float32): "metrale_packed_matmul_f32",
             jnp.dtype(jnp.bfloat16): "metrale_packed_matmul_bf16"}
+_NORM_TARGETS = {jnp.dtype(jnp.float32): "metrale_packed_norm_matmul_f32",
+                 jnp.dtype(jnp.bfloat16): "metrale_packed_norm_matmul_bf16"}
 
 
 @functools.cache
@@ -82,14 +85,35 @@ def packed_matmul(x: Float[Array, "M K"], packed: Float[Array, "B P L"],
                   n: int) -> Float[Array, "M n"]:
     """`x @ w` in float32, `packed = pack(w)` and `n` the columns of `w` (the library must
     be loaded: `build.load()`)."""
+    _check(x, packed)
+    width = packed.shape[0] * BLOCK
+    call = jax.ffi.ffi_call(_TARGETS[jnp.dtype(x.dtype)],
+                            jax.ShapeDtypeStruct((x.shape[0], width), jnp.float32))
+    y = call(x, packed)
+    return y if width == n else y[:, :n]
+
+
+def packed_norm_matmul(x: Float[Array, "M K"], scale: Float[Array, "K"], eps: float,
+                       packed: Float[Array, "B P L"], n: int) -> Float[Array, "M n"]:
+    """`rms_norm(x) @ w` in float32, the norm as model/layers.py's `RMSNorm` computes it
+    (float32 math, `scale * (x * rsqrt(mean(x^2) + eps))`, rounded to x's dtype) and done
+    inside the call: a decode step's block then folds its pre-norm into its first
+    projection. `scale` in x's dtype."""
+    if scale.shape != (x.shape[-1],) or scale.dtype != x.dtype:
+        raise ValueError(f"packed norm matmul: scale {scale.shape} {scale.dtype} for x "
+                         f"{x.shape} {x.dtype}")
+    _check(x, packed)
+    width = packed.shape[0] * BLOCK
+    call = jax.ffi.ffi_call(_NORM_TARGETS[jnp.dtype(x.dtype)],
+                            jax.ShapeDtypeStruct((x.shape[0], width), jnp.float32))
+    y = call(x, scale, packed, eps=np.float32(eps))
+    return y if width == n else y[:, :n]
+
+
+def _check(x: jax.Array, packed: jax.Array) -> None:
     pairs = 2 if packed.dtype == jnp.bfloat16 else 1
     if x.ndim != 2 or packed.ndim != 3 or packed.shape[1] * pairs != x.shape[1]:
         raise ValueError(f"packed matmul: x {x.shape} and packed {packed.shape} do not fit")
     if x.dtype != packed.dtype or jnp.dtype(x.dtype) not in _TARGETS:
         raise ValueError(f"packed matmul: x and packed of one dtype expected (float32 or "
                          f"bfloat16), got {x.dtype} and {packed.dtype}")
-    width = packed.shape[0] * BLOCK
-    call = jax.ffi.ffi_call(_TARGETS[jnp.dtype(x.dtype)],
-                            jax.ShapeDtypeStruct((x.shape[0], width), jnp.float32))
-    y = call(x, packed)
-    return y if width == n else y[:, :n]
