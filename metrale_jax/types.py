@@ -36,8 +36,8 @@ class RowSampling:
     prompt_ids: Sequence[int] = ()    # history for the penalties (only read when one is on)
     output_ids: Sequence[int] = ()
     logit_bias: Mapping[int, float] = dataclasses.field(default_factory=dict)
-    # Reports its rank and top logprobs: a batch where no row does skips them (a top-k and a
-    # full pass over the vocabulary each). A sequence that asked for no logprobs says False.
+    # Reports logprobs (its token's, its rank, the top ones): a batch where no row does skips
+    # them (passes over the vocabulary and a top-k). A sequence that asked for none: False.
     logprobs: bool = True
 
     @property

@@ -10,6 +10,7 @@ traced cond, so no request feature is a shape or a static switch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -43,7 +44,7 @@ class SamplingArrays:
     history_lens: Int[Array, "S"]  # history[slot, :len] is the row's prompt + output
     prompt_lens: Int[Array, "S"]  # the first prompt_len of those are prompt
     bias_on: Bool[Array, "S"]  # the row adds its slot's logit-bias entries
-    logprobs_on: Bool[Array, "S"]  # the row reports its rank and top logprobs
+    logprobs_on: Bool[Array, "S"]  # the row reports logprobs (its token's, rank, top)
 
 
 @jax.tree_util.register_dataclass
@@ -374,9 +375,6 @@ def sample(
     so one compiled step serves every batch; bias and penalties read `tables` through
     each row's slot (None: no row may use them). Returned logprobs are raw."""
     logits = _mask_vocab(logits, vocab_size)
-    # log_softmax's terms, without its [S, V] result: a row needs only its token's.
-    shifted_max = jnp.max(logits, axis=-1, keepdims=True)  # [S, 1]
-    shifted_lse = jnp.log(jnp.sum(jnp.exp(logits - shifted_max), axis=-1))  # [S]
     processed = logits if tables is None else bias_and_penalties(logits, params, tables)
     greedy_tokens = first_argmax(processed)
     is_greedy = params.temperature <= 0.0
@@ -434,20 +432,32 @@ def sample(
     tokens = jax.lax.cond(
         jnp.all(is_greedy), lambda _: greedy_tokens, draw, operand=None
     )
-    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
-    chosen = (picked - shifted_max[:, 0]) - shifted_lse  # log_softmax's own order of ops
-
-    def top(_):
-        return _top_logprobs((logits - shifted_max) - shifted_lse[:, None], num_top)
-
-    def none(_):
-        rows = logits.shape[0]
-        return jnp.zeros((rows, num_top), jnp.float32), jnp.zeros((rows, num_top), jnp.int32)
-
-    top_vals, top_ids = jax.lax.cond(jnp.any(params.logprobs_on), top, none, None)
+    # Logprobs only for a batch where some row reports them (`logprobs_on`); else zeros.
+    chosen, top_vals, top_ids = jax.lax.cond(
+        jnp.any(params.logprobs_on), functools.partial(_logprobs, num_top=num_top),
+        functools.partial(_no_logprobs, num_top=num_top), logits, tokens)
     return SampleResult(
         tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_vals
     )
+
+
+def _logprobs(logits: Float[Array, "S V"], tokens: Int[Array, "S"], *, num_top: int):
+    """Each row's raw logprob of its token and its top `num_top`: log_softmax's terms and
+    order of ops, its [S, V] result made only for the top."""
+    shifted_max = jnp.max(logits, axis=-1, keepdims=True)  # [S, 1]
+    shifted_lse = jnp.log(jnp.sum(jnp.exp(logits - shifted_max), axis=-1))  # [S]
+    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    chosen = (picked - shifted_max[:, 0]) - shifted_lse
+    if num_top == 0:
+        return (chosen,) + _no_logprobs(logits, tokens, num_top=0)[1:]
+    top_vals, top_ids = _top_logprobs((logits - shifted_max) - shifted_lse[:, None], num_top)
+    return chosen, top_vals, top_ids
+
+
+def _no_logprobs(logits: Float[Array, "S V"], tokens: Int[Array, "S"], *, num_top: int):
+    rows = logits.shape[0]
+    return (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, num_top), jnp.float32),
+            jnp.zeros((rows, num_top), jnp.int32))
 
 
 def first_argmax(x: Float[Array, "S V"]) -> Int[Array, "S"]:
