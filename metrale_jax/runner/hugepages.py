@@ -128,4 +128,4 @@ def _mappings() -> list[tuple[int, int]]:
             spans[-1][1] = hi
         else:
             spans.append([lo, hi])
-    return [(lo, hi) for lo, hi in spans]
+    return [tuple(span) for span in spans]

@@ -448,8 +448,6 @@ def _logprobs(logits: Float[Array, "S V"], tokens: Int[Array, "S"], *, num_top: 
     shifted_lse = jnp.log(jnp.sum(jnp.exp(logits - shifted_max), axis=-1))  # [S]
     picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     chosen = (picked - shifted_max[:, 0]) - shifted_lse
-    if num_top == 0:
-        return (chosen,) + _no_logprobs(logits, tokens, num_top=0)[1:]
     top_vals, top_ids = _top_logprobs((logits - shifted_max) - shifted_lse[:, None], num_top)
     return chosen, top_vals, top_ids
 
