@@ -323,6 +323,26 @@ def test_first_argmax_is_argmax_with_ties_and_masked_columns():
     np.testing.assert_array_equal(got, x.argmax(-1))
 
 
+def test_gumbel_max_draws_what_categorical_draws():
+    """The sampled rows' draw keeps every seeded stream: the same token as
+    jax.random.categorical for each row's key, on wide rows, coarse (tie-prone) logits,
+    masked columns, an all-masked row and a one-hot row."""
+    from metrale_jax.runner.sampler import gumbel_max, row_keys
+
+    rng = np.random.default_rng(5)
+    logits = (rng.normal(size=(48, 3000)) * 4).astype(np.float32)
+    logits[:16] = np.round(logits[:16])  # many tied logits
+    logits[20, ::2] = -np.inf
+    logits[21] = -np.inf
+    logits[22] = -np.inf
+    logits[22, 1234] = 0.0
+    keys = row_keys(np.arange(48, dtype=np.uint32) * 7919, np.arange(48, dtype=np.int32))
+    want = jax.jit(jax.vmap(jax.random.categorical))(keys, logits)
+    got = jax.jit(gumbel_max)(keys, logits)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert int(got[22]) == 1234 and int(got[20]) % 2 == 1
+
+
 def test_a_batch_without_logprobs_skips_them_and_one_row_asking_gets_all(sample_fn):
     rng = np.random.default_rng(4)
     logits = rng.normal(size=(3, 50)).astype(np.float32) * 3

@@ -1,6 +1,8 @@
 """Cost of one batch-64 sampling step: greedy against filtered sampling (top-p + top-k,
-top-p alone, min-p), through `sampler.sample(..., num_top=20)`, and the previous
-sort-based filter in the same run.
+top-p alone, min-p), through `sampler.sample(..., num_top=20)`, and in the same run the
+previous sort-based filter and the previous draw (`jax.random.categorical`, whose argmax
+XLA:CPU runs as an unvectorised paired reduction; `sampler.gumbel_max` draws the same
+tokens).
 
 Rounds are interleaved (every case once per round) and medians reported, so that load
 from other processes on a shared machine hits all cases alike. Writes
@@ -11,14 +13,17 @@ benchmarks/results/sampling.json. Run: `python -m metrale_jax.bench.sampling
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from metrale_jax.bench.results import RESULTS_DIR, write_json
+from metrale_jax.runner import sampler
 from metrale_jax.runner.sampler import (RowSampling, SamplingArrays, SampleResult,
                                         _mask_vocab, _top_logprobs, filter_logits,
                                         filter_logits_reference, make_sampling_arrays,
@@ -79,6 +84,9 @@ def run(vocab: int, rounds: int, seed: int = 0) -> dict:
     logits = {s: jnp.asarray(_logits(rng, vocab, s)) for s in ("peaked", "flat")}
     new = jax.jit(sample, static_argnames=("num_top", "apply_filters", "vocab_size"))
     old = jax.jit(_sort_based_sample, static_argnames=("num_top",))
+    # `sample` traced with the previous draw (its own jit cache, compiled under the patch).
+    categorical_draw = jax.jit(functools.partial(sample),
+                               static_argnames=("num_top", "apply_filters", "vocab_size"))
     fns, kept = {}, {}
     for name, (kw, shape) in CASES.items():
         rows = [RowSampling(seed=i, counter=3, **kw) for i in range(ROWS)]
@@ -86,13 +94,23 @@ def run(vocab: int, rounds: int, seed: int = 0) -> dict:
         filt = any(r.uses_filters for r in rows)
         x = logits[shape]
         fns[name] = lambda x=x, p=params, f=filt: new(x, p, num_top=NUM_TOP, apply_filters=f)
+        if kw["temperature"] > 0:
+            fns[name + "/categorical_draw"] = lambda x=x, p=params, f=filt: categorical_draw(
+                x, p, num_top=NUM_TOP, apply_filters=f)
         if filt:
             fns[name + "/sort_based"] = lambda x=x, p=params: old(x, p, num_top=NUM_TOP)
             masked = filter_logits(x / TEMP, params.top_k, params.top_p, params.min_p)
             kept[name] = float(jnp.mean(jnp.sum(jnp.isfinite(masked), -1)))
-    for f in fns.values():  # compile and warm
-        jax.block_until_ready(f())
-        jax.block_until_ready(f())
+    for name, f in fns.items():  # compile and warm; the previous draw's under its patch
+        previous = name.endswith("/categorical_draw")
+        with mock.patch.object(sampler, "gumbel_max", jax.vmap(jax.random.categorical)
+                               if previous else sampler.gumbel_max):
+            jax.block_until_ready(f())
+            jax.block_until_ready(f())
+    for name, f in fns.items():
+        if name.endswith("/categorical_draw"):  # the same tokens either way
+            np.testing.assert_array_equal(np.asarray(f().tokens),
+                                          np.asarray(fns[name.split("/")[0]]().tokens))
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, f in fns.items():

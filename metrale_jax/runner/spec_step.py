@@ -36,8 +36,8 @@ from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.caches import DeviceCaches
 from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.model.lora import LoraInputs
-from metrale_jax.runner.sampler import (SampleResult, SamplingArrays, raw_logprobs, row_keys,
-                                        target_logits, token_ranks)
+from metrale_jax.runner.sampler import (SampleResult, SamplingArrays, first_argmax,
+                                        raw_logprobs, row_keys, target_logits, token_ranks)
 from metrale_jax.runner.penalties import SamplingTables
 from metrale_jax.runner.slot_tables import SlotTables
 from metrale_jax.runner.token_mask import TokenMask, apply_token_mask
@@ -187,7 +187,7 @@ def _draft(model: HybridLM, hidden: jax.Array, batch: StepBatch, spec: SpecInput
         proposal = model.logits(normed[jnp.minimum(anchor, t - 1)])
         proposal = jnp.where(jnp.arange(proposal.shape[1]) < model.cfg.vocab_size,
                              proposal, -jnp.inf)
-        drafts.append(jnp.argmax(proposal, axis=-1).astype(jnp.int32))
+        drafts.append(first_argmax(proposal))
         if d + 1 < depth:
             next_ids = shift(next_ids).at[anchor].set(after(d + 1, drafts[-1]), mode="drop")
     return jnp.stack(drafts, axis=1), caches
