@@ -313,7 +313,7 @@ def test_builder_rejects_overflow():
 
 
 def test_first_argmax_is_argmax_with_ties_and_masked_columns():
-    from metrale_jax.runner.sampler import first_argmax
+    from pallas_kernels.reductions import first_argmax
 
     rng = np.random.default_rng(3)
     x = rng.integers(-3, 3, size=(64, 40)).astype(np.float32)  # many tied maxima

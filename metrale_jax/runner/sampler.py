@@ -22,6 +22,7 @@ from jaxtyping import Array, Bool, Float, Int
 from metrale_jax.runner.penalties import (SamplingTables, apply_slot_bias, penalize,
                                           penalty_counts, uses_penalties)
 from metrale_jax.types import RowSampling
+from pallas_kernels.reductions import first_argmax
 
 _NEG_INF = -jnp.inf
 
@@ -466,17 +467,6 @@ def gumbel_max(keys: Array, logits: Float[Array, "S V"]) -> Int[Array, "S"]:
     request's stream is what it was."""
     noise = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[1:], logits.dtype))(keys)
     return first_argmax(noise + logits)
-
-
-def first_argmax(x: Float[Array, "S V"]) -> Int[Array, "S"]:
-    """`jnp.argmax(x, axis=-1)` (the first of tied maxima) as a max and a min over indices:
-    XLA:CPU runs argmax's paired (value, index) reduction unvectorised, ~7x the time of
-    the two plain ones (37 against 5 us a row at 8k columns). A row holding a NaN, which
-    argmax would point at, gets its last column."""
-    n = x.shape[-1]
-    top = jnp.max(x, axis=-1, keepdims=True)
-    first = jnp.min(jnp.where(x == top, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
-    return jnp.minimum(first, n - 1).astype(jnp.int32)
 
 
 def target_logits(logits: Float[Array, "R V"], params: SamplingArrays,

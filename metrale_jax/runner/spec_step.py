@@ -36,12 +36,13 @@ from metrale_jax.model.batch import StepBatch
 from metrale_jax.model.caches import DeviceCaches
 from metrale_jax.model.hybrid import HybridLM
 from metrale_jax.model.lora import LoraInputs
-from metrale_jax.runner.sampler import (SampleResult, SamplingArrays, first_argmax,
-                                        raw_logprobs, row_keys, target_logits, token_ranks)
+from metrale_jax.runner.sampler import (SampleResult, SamplingArrays, raw_logprobs, row_keys,
+                                        target_logits, token_ranks)
 from metrale_jax.runner.penalties import SamplingTables
 from metrale_jax.runner.slot_tables import SlotTables
 from metrale_jax.runner.token_mask import TokenMask, apply_token_mask
 from pallas_kernels.backend import KernelOps
+from pallas_kernels.reductions import first_argmax
 from pallas_kernels.scatter import set_rows
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.mtp.common import accept_rule, finish, flatten_rows, gumbel
+from pallas_kernels.reductions import first_argmax
 
 
 def mtp_accept(
@@ -27,7 +28,7 @@ def mtp_accept(
     rows = flatten_rows(target_logits, draft_tokens, draft_probs, keys, temperatures)
     v = rows.logits.shape[1]
     p = jax.nn.softmax(rows.logits * rows.inv_temp[:, None], axis=-1)
-    argmax = jnp.argmax(rows.logits, axis=-1).astype(jnp.int32)
+    argmax = first_argmax(rows.logits)  # jnp.argmax's token, without its slow CPU form
     safe = jnp.clip(rows.draft, 0)[:, None]
     p_draft = jnp.take_along_axis(p, safe, axis=1)[:, 0]
     q_draft = jnp.take_along_axis(rows.draft_probs, safe, axis=1)[:, 0]
@@ -39,6 +40,6 @@ def mtp_accept(
     cols = jnp.arange(v, dtype=jnp.int32)[None, :]
     noise = gumbel(rows.seed0[row, None], rows.seed1[row, None], rows.position[row, None], cols)
     residual = jnp.maximum(p[row] - rows.draft_probs[row], 0.0)
-    sample = jnp.argmax(jnp.log(residual) + noise, axis=-1).astype(jnp.int32)
+    sample = first_argmax(jnp.log(residual) + noise)
     candidate = jnp.where(rows.greedy == 1, argmax, jnp.zeros_like(argmax).at[row].set(sample))
     return finish(accept, candidate, draft_tokens)
