@@ -41,7 +41,8 @@ How to make the peer (CPU, Linux; llama-cpp-python 0.3.36 vendors a matching lla
            pip install --no-deps /work/peers/llama_cpp_python-0.3.36
        pip install diskcache   # imported by llama_cpp/__init__; numpy, jinja2 and
                                # typing_extensions are usually there already
-       SITE=$(python -c "import llama_cpp, os; print(os.path.dirname(llama_cpp.__file__))")
+       # find_spec, not import: `import llama_cpp` fails until the links below exist
+       SITE=$(python -c "import importlib.util as u, os; print(os.path.dirname(u.find_spec('llama_cpp').origin))")
        mkdir -p $SITE/lib && ln -sf /work/peers/llama-build/bin/lib*.so* $SITE/lib/
 
    (`llama_cpp` loads libllama from $LLAMA_CPP_LIB_PATH or its own `lib/` folder, but its

@@ -34,7 +34,8 @@ make `import llama_cpp` work on the libraries built with llama-server (no second
     CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" \\
         {sys.executable} -m pip install --no-deps /work/peers/llama_cpp_python-0.3.36
     {sys.executable} -m pip install diskcache
-    SITE=$({sys.executable} -c "import llama_cpp, os; print(os.path.dirname(llama_cpp.__file__))")
+    SITE=$({sys.executable} -c "import importlib.util as u, os; \\
+        print(os.path.dirname(u.find_spec('llama_cpp').origin))")
     mkdir -p $SITE/lib && ln -sf /work/peers/llama-build/bin/lib*.so* $SITE/lib/
 where /work/peers/llama-build comes from: {HOW_TO_BUILD_SERVER}"""
 
