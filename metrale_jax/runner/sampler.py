@@ -384,10 +384,9 @@ def sample(
         temp = jnp.where(is_greedy, 1.0, params.temperature)[:, None]
         scaled = processed / temp  # [S, V]
         keys = row_keys(params.seeds, params.counters)
-        categorical = gumbel_max
 
         def plain(_):
-            drawn = categorical(keys, scaled).astype(jnp.int32)
+            drawn = gumbel_max(keys, scaled)
             return jnp.where(is_greedy, greedy_tokens, drawn)
 
         if not apply_filters:
@@ -413,13 +412,13 @@ def sample(
             # of the batch.
             short = filters & in_candidates  # [S]
             kept = jnp.where(vals >= threshold[:, None], vals, _NEG_INF)  # [S, W]
-            pick = categorical(keys, kept)[:, None]
+            pick = gumbel_max(keys, kept)[:, None]
             short_tokens = jnp.take_along_axis(ids, pick, axis=-1)[:, 0]
             full = ~is_greedy & ~short
 
             def full_draw(_):
                 masked = jnp.where(scaled >= threshold[:, None], scaled, _NEG_INF)
-                return categorical(keys, masked).astype(jnp.int32)
+                return gumbel_max(keys, masked)
 
             full_tokens = jax.lax.cond(
                 jnp.any(full), full_draw, lambda _: greedy_tokens, None
