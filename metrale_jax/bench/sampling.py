@@ -13,6 +13,7 @@ benchmarks/results/sampling.json. Run: `python -m metrale_jax.bench.sampling
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 import time
@@ -84,7 +85,8 @@ def run(vocab: int, rounds: int, seed: int = 0) -> dict:
     logits = {s: jnp.asarray(_logits(rng, vocab, s)) for s in ("peaked", "flat")}
     new = jax.jit(sample, static_argnames=("num_top", "apply_filters", "vocab_size"))
     old = jax.jit(_sort_based_sample, static_argnames=("num_top",))
-    # `sample` traced with the previous draw (its own jit cache, compiled under the patch).
+    # `sample` traced with the previous draw: a distinct function object, so jit traces it
+    # afresh (under the patch) rather than reuse `new`'s trace.
     categorical_draw = jax.jit(functools.partial(sample),
                                static_argnames=("num_top", "apply_filters", "vocab_size"))
     fns, kept = {}, {}
@@ -101,10 +103,9 @@ def run(vocab: int, rounds: int, seed: int = 0) -> dict:
             fns[name + "/sort_based"] = lambda x=x, p=params: old(x, p, num_top=NUM_TOP)
             masked = filter_logits(x / TEMP, params.top_k, params.top_p, params.min_p)
             kept[name] = float(jnp.mean(jnp.sum(jnp.isfinite(masked), -1)))
+    previous_draw = mock.patch.object(sampler, "gumbel_max", jax.vmap(jax.random.categorical))
     for name, f in fns.items():  # compile and warm; the previous draw's under its patch
-        previous = name.endswith("/categorical_draw")
-        with mock.patch.object(sampler, "gumbel_max", jax.vmap(jax.random.categorical)
-                               if previous else sampler.gumbel_max):
+        with previous_draw if name.endswith("/categorical_draw") else contextlib.nullcontext():
             jax.block_until_ready(f())
             jax.block_until_ready(f())
     for name, f in fns.items():
