@@ -31,6 +31,27 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The vector extensions the kernels and XLA choose their paths by: "AMD EPYC" alone names
+# both the AVX2-only Zen 3 machines and the AVX-512 + bf16 Zen 4 ones, whose figures differ 2x.
+_VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_features() -> dict:
+    """The processor's family/model numbers and which of `_VECTOR_FLAGS` it has."""
+    info: dict[str, str] = {}
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("cpu family", "model", "flags") and key not in info:
+                info[key] = value.strip()
+    except OSError:
+        return {}
+    flags = set(info.get("flags", "").split())
+    return {"family": info.get("cpu family"), "model": info.get("model"),
+            "vector_flags": [f for f in _VECTOR_FLAGS if f in flags]}
+
+
 def memory_bytes() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -45,7 +66,8 @@ def machine_facts() -> dict:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             pass
-    facts = {"cpu": cpu_model(), "cores": os.cpu_count(), "memory_bytes": memory_bytes(),
+    facts = {"cpu": cpu_model(), "cpu_features": cpu_features(), "cores": os.cpu_count(),
+             "memory_bytes": memory_bytes(),
              "os": platform.platform(), "python": platform.python_version(),
              "versions": versions}
     if "jax" in sys.modules:

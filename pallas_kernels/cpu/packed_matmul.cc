@@ -14,6 +14,8 @@
 // the same bytes reaches). More rows read a block again from cache, not from memory, so
 // the kernel beats XLA's dot up to ~100 rows here. The bf16 pairs of k sit side by side,
 // the operand order of AVX512-BF16's dot product (vdpbf16ps: 32 products an instruction).
+// Without AVX-512 (AVX2 + FMA: Zen 2/3) the same loops run on 8-lane vectors, 2 rows a pass
+// (16 registers), the bf16 pairs widened by a shift and a mask.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -21,8 +23,11 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define METRALE_PACKED_AVX2 1  // the 8-lane path: AVX2 + FMA, no AVX-512 (Zen 2/3, ...)
 #endif
 
 #include "bf16.h"
@@ -34,8 +39,13 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kBlock = 32;  // output columns per block
-// Rows per pass over a block: their sums take 16 of the 32 vector registers.
+// Rows per pass over a block: their sums take 16 of the 32 vector registers (AVX-512), or
+// 8 of the 16 (AVX2, where a row's 32 sums are four 8-lane vectors).
+#ifdef METRALE_PACKED_AVX2
+constexpr int kMaxRows = 2;
+#else
 constexpr int kMaxRows = 8;
+#endif
 // Below this many weight elements a call runs on the calling thread alone.
 constexpr int64_t kMinParallelWeights = int64_t{1} << 16;
 
@@ -50,6 +60,64 @@ void StoreSums(const __m512 (&acc)[ROWS][2], float* y, int64_t N) {
     _mm512_storeu_ps(y + r * N, acc[r][0]);
     _mm512_storeu_ps(y + r * N + 16, acc[r][1]);
   }
+}
+#endif
+
+#ifdef METRALE_PACKED_AVX2
+// A block's 32 sums of each of ROWS rows (four 8-lane vectors a row), into rows of y.
+template <int ROWS>
+void StoreSums8(const __m256 (&acc)[ROWS][4], float* y, int64_t N) {
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(y + r * N + 8 * v, acc[r][v]);
+}
+
+// A float32 block for ROWS rows: one chain per row and vector, as on AVX-512, so a row's
+// sums are the same in any batch.
+template <int ROWS>
+void Block8(const float* x, int64_t K, const float* blk, float* y, int64_t N) {
+  __m256 acc[ROWS][4];
+  for (auto& row : acc)
+    for (auto& v : row) v = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w[4];
+    for (int v = 0; v < 4; ++v) w[v] = _mm256_loadu_ps(blk + k * kBlock + 8 * v);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 xr = _mm256_set1_ps(x[r * K + k]);
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xr, w[v], acc[r][v]);
+    }
+  }
+  StoreSums8<ROWS>(acc, y, N);
+}
+
+// The same for bf16, which AVX2 has no arithmetic for: widen. Eight 32-bit lanes of a
+// packed row hold (w[2p, c], w[2p+1, c]) for 8 columns, low half first, so the even weights
+// are the lanes shifted up 16 bits and the odd ones the lanes with their low half cleared:
+// two integer ops for 16 weights. Each product of two bf16 values is exact in float32.
+template <int ROWS>
+void Block8(const Bf16* x, int64_t K, const Bf16* blk, float* y, int64_t N) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 acc[ROWS][4];
+  for (auto& row : acc)
+    for (auto& v : row) v = _mm256_setzero_ps();
+  for (int64_t p = 0; p < K / 2; ++p) {
+    __m256 x0[ROWS], x1[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+      x0[r] = _mm256_set1_ps(ToFloat(x[r * K + 2 * p]));
+      x1[r] = _mm256_set1_ps(ToFloat(x[r * K + 2 * p + 1]));
+    }
+    const Bf16* pair_row = blk + p * 2 * kBlock;
+    for (int v = 0; v < 4; ++v) {
+      const __m256i lanes =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair_row + 16 * v));
+      const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16));
+      const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(lanes, high));
+      for (int r = 0; r < ROWS; ++r) {
+        acc[r][v] = _mm256_fmadd_ps(x0[r], w0, acc[r][v]);
+        acc[r][v] = _mm256_fmadd_ps(x1[r], w1, acc[r][v]);
+      }
+    }
+  }
+  StoreSums8<ROWS>(acc, y, N);
 }
 #endif
 
@@ -71,6 +139,8 @@ void Block(const float* x, int64_t K, const float* blk, float* y, int64_t N) {
     }
   }
   StoreSums<ROWS>(acc, y, N);
+#elif defined(METRALE_PACKED_AVX2)
+  Block8<ROWS>(x, K, blk, y, N);
 #else
   for (int r = 0; r < ROWS; ++r) {
     float out[kBlock] = {};
@@ -111,6 +181,8 @@ void Block(const Bf16* x, int64_t K, const Bf16* blk, float* y, int64_t N) {
   for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) DotPair<ROWS>(x, K, blk + p * 2 * kBlock, p, acc);
   StoreSums<ROWS>(acc, y, N);
+#elif defined(METRALE_PACKED_AVX2)
+  Block8<ROWS>(x, K, blk, y, N);
 #else
   for (int r = 0; r < ROWS; ++r) {
     float out[kBlock] = {};
@@ -245,7 +317,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MetralePackedMatmulBf16, Matmul<ffi::BF16>,
 // Whether this build runs the vector path for bf16 (nonzero `bf16`) or float32 weights;
 // without it the packed layout would lose to the model's (packed_matmul.py asks first).
 extern "C" int MetralePackedMatmulFast(int bf16) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(METRALE_PACKED_AVX2)
   return 1;
 #elif defined(__AVX512F__)
   return bf16 ? 0 : 1;

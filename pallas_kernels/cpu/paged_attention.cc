@@ -43,6 +43,15 @@ using metrale::Bf16;
 using metrale::ToFloat;
 
 
+#ifdef __AVX2__
+inline float ReduceAdd(__m256 s) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h);
+}
+#endif
+
 // q . k over D floats.
 inline float Dot(const float* q, const float* k, int64_t D) {
 #ifdef __AVX512F__
@@ -62,11 +71,7 @@ inline float Dot(const float* q, const float* k, int64_t D) {
       s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), s0);
       s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k + i + 8), s1);
     }
-    const __m256 s = _mm256_add_ps(s0, s1);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-    return _mm_cvtss_f32(h);
+    return ReduceAdd(_mm256_add_ps(s0, s1));
   }
 #endif
   float dot = 0.f;
@@ -134,6 +139,14 @@ inline void WidenPairs(const Bf16* p, __m512& even, __m512& odd) {
   odd = _mm512_castsi512_ps(_mm512_and_si512(lanes, _mm512_set1_epi32(int32_t(0xffff0000u))));
 }
 #endif
+#ifdef __AVX2__
+inline void WidenPairs(const Bf16* p, __m256& even, __m256& odd) {
+  const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16));
+  odd = _mm256_castsi256_ps(
+      _mm256_and_si256(lanes, _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+}
+#endif
 
 // q . k with q pair-split.
 inline float Dot(const float* q, const Bf16* k, int64_t D) {
@@ -148,6 +161,18 @@ inline float Dot(const float* q, const Bf16* k, int64_t D) {
       s1 = _mm512_fmadd_ps(_mm512_loadu_ps(qo + i / 2), odd, s1);
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+  }
+#endif
+#ifdef __AVX2__
+  if (D % 16 == 0) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 16) {
+      __m256 even, odd;
+      WidenPairs(k + i, even, odd);
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i / 2), even, s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qo + i / 2), odd, s1);
+    }
+    return ReduceAdd(_mm256_add_ps(s0, s1));
   }
 #endif
   float dot = 0.f;
@@ -175,6 +200,25 @@ inline void ScaleAccumulate(float* acc, float corr, const float* w, const Bf16* 
       }
       _mm512_storeu_ps(acc + i / 2, a);
       _mm512_storeu_ps(acc_o + i / 2, b);
+    }
+    return;
+  }
+#endif
+#ifdef __AVX2__
+  if (D % 16 == 0) {
+    const __m256 c = _mm256_set1_ps(corr);
+    for (int64_t i = 0; i < D; i += 16) {
+      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + i / 2), c);
+      __m256 b = _mm256_mul_ps(_mm256_loadu_ps(acc_o + i / 2), c);
+      for (int64_t t = 0; t < n; ++t) {
+        __m256 even, odd;
+        WidenPairs(v + t * D + i, even, odd);
+        const __m256 wt = _mm256_set1_ps(w[t]);
+        a = _mm256_fmadd_ps(wt, even, a);
+        b = _mm256_fmadd_ps(wt, odd, b);
+      }
+      _mm256_storeu_ps(acc + i / 2, a);
+      _mm256_storeu_ps(acc_o + i / 2, b);
     }
     return;
   }

@@ -8,9 +8,13 @@ weight bandwidth is all that matters. The kernel streams `w` once per call for u
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
+
+from pallas_kernels.cpu import build
 
 # Rows up to which the kernel beats XLA's dot here (it re-reads the weights every 4 rows).
 MAX_ROWS = 4
@@ -25,11 +29,19 @@ MIN_F32_WEIGHTS = 1 << 18
 def takes(x_rows: int, w: jax.Array) -> bool:
     """Whether a layer applied to `x_rows` rows should run here rather than on XLA's dot
     (static: rows, the weight's dtype and size). bf16 always: XLA:CPU has no bf16
-    matrix-vector path. f32 from MIN_F32_WEIGHTS on: the kernel streams the weights ~1.3x
-    faster than XLA's dot there, and loses to it on small layers."""
+    matrix-vector path. f32 from MIN_F32_WEIGHTS on, where the library has its AVX-512
+    path (`f32_fast`): the kernel streams the weights ~1.3x faster than XLA's dot there,
+    and loses to it on small layers."""
     if not supports(x_rows, w.dtype):
         return False
-    return w.dtype == jnp.bfloat16 or w.size >= MIN_F32_WEIGHTS
+    return w.dtype == jnp.bfloat16 or (w.size >= MIN_F32_WEIGHTS and f32_fast())
+
+
+@functools.cache
+def f32_fast() -> bool:
+    """Whether the loaded library runs f32 weights on its vector path (AVX-512)."""
+    lib = build.load()
+    return lib is not None and bool(lib.MetraleSmallMatmulF32Fast())
 
 
 def supports(x_rows: int, w_dtype) -> bool:
