@@ -89,13 +89,11 @@ void Block8(const float* x, int64_t K, const float* blk, float* y, int64_t N) {
   StoreSums8<ROWS>(acc, y, N);
 }
 
-// The same for bf16, which AVX2 has no arithmetic for: widen. Eight 32-bit lanes of a
-// packed row hold (w[2p, c], w[2p+1, c]) for 8 columns, low half first, so the even weights
-// are the lanes shifted up 16 bits and the odd ones the lanes with their low half cleared:
-// two integer ops for 16 weights. Each product of two bf16 values is exact in float32.
+// The same for bf16, which AVX2 has no arithmetic for: widen (bf16.h's WidenPairs). Eight
+// 32-bit lanes of a packed row hold (w[2p, c], w[2p+1, c]) for 8 columns. Each product of
+// two bf16 values is exact in float32.
 template <int ROWS>
 void Block8(const Bf16* x, int64_t K, const Bf16* blk, float* y, int64_t N) {
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   __m256 acc[ROWS][4];
   for (auto& row : acc)
     for (auto& v : row) v = _mm256_setzero_ps();
@@ -107,10 +105,8 @@ void Block8(const Bf16* x, int64_t K, const Bf16* blk, float* y, int64_t N) {
     }
     const Bf16* pair_row = blk + p * 2 * kBlock;
     for (int v = 0; v < 4; ++v) {
-      const __m256i lanes =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair_row + 16 * v));
-      const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16));
-      const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(lanes, high));
+      __m256 w0, w1;
+      metrale::WidenPairs(pair_row + 16 * v, w0, w1);
       for (int r = 0; r < ROWS; ++r) {
         acc[r][v] = _mm256_fmadd_ps(x0[r], w0, acc[r][v]);
         acc[r][v] = _mm256_fmadd_ps(x1[r], w1, acc[r][v]);

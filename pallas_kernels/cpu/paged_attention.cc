@@ -41,6 +41,9 @@ constexpr int64_t kMinParallelWork = int64_t{1} << 16;
 // Page elements: float, or bfloat16 (bf16.h).
 using metrale::Bf16;
 using metrale::ToFloat;
+#if defined(__AVX2__) || defined(__AVX512F__)
+using metrale::WidenPairs;
+#endif
 
 
 #ifdef __AVX2__
@@ -132,21 +135,6 @@ inline void JoinPairs(const float* split, int64_t D, float scale, float* x) {
   }
 }
 
-#ifdef __AVX512F__
-inline void WidenPairs(const Bf16* p, __m512& even, __m512& odd) {
-  const __m512i lanes = _mm512_loadu_si512(p);
-  even = _mm512_castsi512_ps(_mm512_slli_epi32(lanes, 16));
-  odd = _mm512_castsi512_ps(_mm512_and_si512(lanes, _mm512_set1_epi32(int32_t(0xffff0000u))));
-}
-#endif
-#ifdef __AVX2__
-inline void WidenPairs(const Bf16* p, __m256& even, __m256& odd) {
-  const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  even = _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16));
-  odd = _mm256_castsi256_ps(
-      _mm256_and_si256(lanes, _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u))));
-}
-#endif
 
 // q . k with q pair-split.
 inline float Dot(const float* q, const Bf16* k, int64_t D) {
