@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import pathlib
+import shutil
 import tempfile
 
 import numpy as np
@@ -21,6 +23,10 @@ from metrale_jax.tokenizer import Tokenizer
 from tests.fake_runner import FakeRunner
 
 TOKENIZER = Tokenizer.from_dir(ASSET_DIR)
+# Every fake core's spill store goes under one folder per test process, removed at exit (a
+# folder a core leaves behind would otherwise stay in /tmp for good).
+_SPILLS = pathlib.Path(tempfile.mkdtemp(prefix="fake-spills-"))
+atexit.register(shutil.rmtree, _SPILLS, ignore_errors=True)
 
 
 class RecordingSink:
@@ -53,7 +59,7 @@ def make_core(*, num_blocks: int = 64, block_size: int = 4, max_batch: int = 4,
         {"max_tokens_per_tick": budget,
                                        "max_batch_size": max_batch, "prefill_chunk_size": 64})
     if spill is None and swap:
-        spill = SpillStore(pathlib.Path(spill_dir or tempfile.mkdtemp(prefix="fake-spill-")))
+        spill = SpillStore(pathlib.Path(spill_dir or tempfile.mkdtemp(dir=_SPILLS)))
     return SchedulerCore(
         runner=runner, levers=levers, policy=make_policy(policy),
         clock=FakeClock(step=0.001), sink=RecordingSink(), max_seq_len=max_seq_len,

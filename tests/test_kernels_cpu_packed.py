@@ -106,6 +106,19 @@ def test_a_decode_step_folds_each_pre_norm_into_its_first_projection():
                       StepShape(many, 1, many, 17))
     assert "metrale_packed_norm_matmul" not in prefill
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_a_rows_sums_are_the_same_in_any_batch(dtype):
+    # The engine's exactness rests on this: a decode row's product may not depend on how
+    # many rows share the step, whichever tiling (rows a pass, columns a pass) ran it.
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((64, 320)), dtype)
+    packed = pm.pack(jnp.asarray(rng.standard_normal((320, 200)), dtype))
+    call = jax.jit(pm.packed_matmul, static_argnums=2)
+    full = np.asarray(call(x, packed, 200))
+    for m in (1, 2, 3, 5, 6, 7, 13, 63):
+        np.testing.assert_array_equal(np.asarray(call(x[-m:], packed, 200)), full[-m:])
+
+
 
 def test_odd_k_in_f32():
     rng = np.random.default_rng(7)
