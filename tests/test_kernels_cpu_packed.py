@@ -106,6 +106,7 @@ def test_a_decode_step_folds_each_pre_norm_into_its_first_projection():
                       StepShape(many, 1, many, 17))
     assert "metrale_packed_norm_matmul" not in prefill
 
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_a_rows_sums_are_the_same_in_any_batch(dtype):
     # The engine's exactness rests on this: a decode row's product may not depend on how
@@ -117,7 +118,6 @@ def test_a_rows_sums_are_the_same_in_any_batch(dtype):
     full = np.asarray(call(x, packed, 200))
     for m in (1, 2, 3, 5, 6, 7, 13, 63):
         np.testing.assert_array_equal(np.asarray(call(x[-m:], packed, 200)), full[-m:])
-
 
 
 def test_odd_k_in_f32():

@@ -9,9 +9,10 @@ whole layer chain of that model: bf16 2.1x at 16 rows and 1.5x at 64, f32 1.7x a
 even at 128). The packed copy is made once at load time beside the model's own kernel,
 which prefill chunks keep reading through XLA's dots: it costs the weights' memory once more.
 On AVX2 machines without AVX-512 (an AMD EPYC Zen 3 here) the kernel runs 8-lane vectors
-(float32: six rows over half a block a pass; bf16: two rows over the whole block): there XLA:CPU's bf16 dot reads one row's weights ~10x slower than the kernel,
-and its f32 dot of 4-16 rows ~2x slower (the whole layer chain of that Llama, interleaved:
-f32 14 against 39 ms at 4 rows, 22 against 46 at 16; bf16 10 against 106 ms at 1 row).
+(float32: six rows over half a block a pass; bf16: two rows over the whole block): there
+XLA:CPU's bf16 dot reads one row's weights ~10x slower than the kernel, and its f32 dot of
+4-16 rows ~2x slower (the whole layer chain of that Llama, interleaved: f32 14 against 39 ms
+at 4 rows, 22 against 46 at 16; bf16 10 against 106 ms at 1 row).
 
 Layouts (`pack`): float32 `[N/32, K, 32]`, element `[b, k, c] = w[k, 32b + c]`; bfloat16
 `[N/32, K/2, 64]`, element `[b, p, 2c + j] = w[2p + j, 32b + c]` (the pairs of k that

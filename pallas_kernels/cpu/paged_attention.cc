@@ -105,7 +105,8 @@ inline void ScaleAccumulate(float* acc, float corr, const float* w, const float*
     int64_t i = 0;
     // Eight slices at a time, each in a register across the block's rows: eight independent
     // chains of adds where one slice at a time was a single chain n long (the same order per
-    // element, so the same sums; 1.4x on a Zen 3 core, pages in cache or not).
+    // element, so the same sums). On a Zen 3, 64 rows x 200 keys with the pages out of cache:
+    // 1.4x a layer, to the speed of a plain read of the same bytes.
     for (; i + 64 <= D; i += 64) {
       __m256 a[8];
       for (int j = 0; j < 8; ++j) a[j] = _mm256_mul_ps(_mm256_loadu_ps(acc + i + 8 * j), c);
